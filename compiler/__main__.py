@@ -1,0 +1,5 @@
+import sys
+
+from mtkc.cli import main
+
+sys.exit(main())

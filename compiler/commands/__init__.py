@@ -1,0 +1,1 @@
+"""One module per CLI subcommand; option groups shared between them live in `options`."""

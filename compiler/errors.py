@@ -1,0 +1,31 @@
+"""Errors users can act on. Each carries the process exit code the CLI returns for it."""
+
+
+class MtkcError(Exception):
+    """Base class: a one-line message naming the file/tensor/node, and an exit code."""
+
+    exit_code = 2
+
+
+class InputError(MtkcError):
+    """Bad input or usage: malformed model, hostile external data, unknown SDK, bad option."""
+
+    exit_code = 2
+
+
+class PassError(MtkcError):
+    """A pass (built-in or plugin) failed or broke a graph invariant; names the pass."""
+
+    exit_code = 2
+
+
+class MismatchError(MtkcError):
+    """Numerical verification failed (verify, --verify-each)."""
+
+    exit_code = 1
+
+
+class ConverterError(MtkcError):
+    """MediaTek's converter (or the user's converter command) failed."""
+
+    exit_code = 3
