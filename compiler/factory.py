@@ -1,0 +1,247 @@
+"""Random-weight Qwen2.5 / Llama-style models and their ONNX exports, for examples, tests, benchmarks.
+
+No hub access: configs are built here. Weights are random but deterministic for a seed, with
+initializer_range 0.3 and randomised RMSNorm weights and biases (the defaults, ones and zeros,
+get deduplicated by exporters and would hide per-layer constants), so logits and greedy tokens vary.
+torch / transformers / onnxscript are an optional extra (`mtkc[models]`): imported inside functions.
+
+Exporters (`export(model, out_dir, exporter, cache)`), as they behave with torch 2.13 / transformers 5.24:
+
+* ``legacy14`` / ``legacy17``: TorchScript ``torch.onnx.export(dynamo=False)`` at opset 14/17; one
+  ``model.onnx``. Past 2 GB it switches to external data by itself, one file per tensor named after
+  the initializer, and duplicates a tied lm_head as a transposed copy.
+* ``dynamo``: ``torch.onnx.export(dynamo=True)``, default opset (20), ``optimize=True``;
+  ``model.onnx`` + one ``model.onnx.data``. The cache attention_mask length gets an anonymous
+  symbol (``sNN``); present lengths are ``past_sequence_length + sequence_length`` expressions.
+* ``hf``: transformers' own ``transformers.exporters.OnnxExporter`` (dynamo + patches + onnxscript
+  optimizer), no wrapper; ``model.onnx`` + ``model.onnx.data`` (+ its metadata/config json). Its I/O
+  names are its own (``input.cache.layers.{i}.keys`` ... ``output.cache.layers.{i}.values``) and its
+  dims are ``sNN`` auto-symbols; kept as exported, because that is what users feed mtkc.
+* ``hf-ortfused``: ``hf`` with ``OnnxConfig(ort_fusions="cpu")``: imports ``com.microsoft``
+  (SkipSimplifiedLayerNormalization, SimplifiedLayerNormalization, RotaryEmbedding, packed QKV and
+  gate/up MatMul + Split).
+* ``ortopt``: a ``legacy17`` export run through ``onnxruntime.transformers.optimizer``
+  (model_type ``qwen3``, the closest; it fuses RMSNorm into (Skip)SimplifiedLayerNormalization only).
+
+Torch exporters get a flat-tensor wrapper (the cache case builds a ``DynamicCache`` inside
+``forward``) with optimum I/O names: no cache ``input_ids, attention_mask -> logits``; with cache
+``input_ids, attention_mask, position_ids, past_key_values.{i}.key/value -> logits,
+present.{i}.key/value``. Dims: batch_size, sequence_length, past_sequence_length,
+total_sequence_length. Trace shapes are deliberately unequal (batch 2, seq 7, past 5).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+
+VERSION = "1"  # bump when models or exports change; keys the test export cache
+FAMILIES = ("qwen2", "llama")
+SIZES = ("tiny", "0.5b", "1.5b")
+EXPORTERS = ("legacy14", "legacy17", "dynamo", "hf", "hf-ortfused", "ortopt")
+TRACE_BATCH, TRACE_SEQ, TRACE_PAST = 2, 7, 5
+
+_DIMS = {  # hidden, layers, heads, kv heads, intermediate, vocab
+    "0.5b": (896, 24, 14, 2, 4864, 151936),
+    "1.5b": (1536, 28, 12, 2, 8960, 151936),
+}
+
+
+def model_config(family: str = "qwen2", size: str = "tiny", layers: int | None = None):
+    """The transformers config: Qwen2.5 (q/k/v bias, tied) or Llama-style (no bias, untied)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; expected one of {SIZES}")
+    common = dict(hidden_act="silu", initializer_range=0.3, max_position_embeddings=4096,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if family == "qwen2":
+        hidden, n_layers, heads, kv, inter, vocab = _DIMS.get(size, (64, 2, 4, 2, 128, 1000))
+        config = Qwen2Config(hidden_size=hidden, num_hidden_layers=layers or n_layers,
+                             num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
+                             vocab_size=vocab, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                             use_sliding_window=False, max_window_layers=layers or n_layers, **common)
+    else:
+        hidden, n_layers, heads, kv, inter, vocab = _DIMS.get(size, (64, 2, 8, 2, 160, 1000))
+        config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers or n_layers,
+                             num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
+                             vocab_size=vocab, tie_word_embeddings=False, rms_norm_eps=1e-5,
+                             rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+                             attention_bias=False, mlp_bias=False, **common)
+    return config
+
+
+def build_model(family: str = "qwen2", size: str = "tiny", seed: int = 0, layers: int | None = None,
+                attn: str = "sdpa"):
+    """A random-weight fp32 `Qwen2ForCausalLM` / `LlamaForCausalLM` in eval mode, deterministic per seed."""
+    import torch
+    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+
+    config = model_config(family, size, layers)
+    cls = Qwen2ForCausalLM if family == "qwen2" else LlamaForCausalLM
+    torch.manual_seed(seed)
+    model = cls._from_config(config, attn_implementation=attn, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
+            elif name.endswith(".bias"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    return model.eval()
+
+
+def reference_generate(model, prompt_ids, max_new_tokens: int = 32) -> list[int]:
+    """Greedy tokens after `prompt_ids` (one sequence) from the torch model: the KV-cache reference."""
+    import torch
+
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def reference_logits(model, input_ids, attention_mask=None, past=None, position_ids=None):
+    """Torch logits (and presents when `past` is given: flat key/value numpy list) for a feed."""
+    import torch
+
+    wrapper = wrap(model, past is not None)
+    args = [torch.as_tensor(input_ids), torch.as_tensor(attention_mask if attention_mask is not None
+                                                        else [[1] * len(input_ids[0])] * len(input_ids))]
+    if past is not None:
+        args += [torch.as_tensor(position_ids)] + [torch.as_tensor(p) for p in past]
+    with torch.no_grad():
+        out = wrapper(*args)
+    return [t.numpy() for t in out] if past is not None else out.numpy()
+
+
+def trace_inputs(config, cache: bool, batch: int = TRACE_BATCH, seq: int = TRACE_SEQ, past: int = TRACE_PAST,
+                 seed: int = 0):
+    """(input_ids, attention_mask[, position_ids, *past]) tensors with a left-padded first row."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    total = past + seq if cache else seq
+    input_ids = torch.randint(3, config.vocab_size, (batch, seq), generator=generator)
+    mask = torch.ones(batch, total, dtype=torch.long)
+    if batch > 1 and total > 2:
+        mask[0, :2] = 0
+    if not cache:
+        return (input_ids, mask)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)[:, past:]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_shape = (batch, config.num_key_value_heads, past, head_dim)
+    pasts = [torch.randn(kv_shape, generator=generator) for _ in range(2 * config.num_hidden_layers)]
+    return (input_ids, mask, position_ids, *pasts)
+
+
+def io_names(n_layers: int, cache: bool) -> tuple[list[str], list[str]]:
+    """Optimum-style graph input and output names."""
+    if not cache:
+        return ["input_ids", "attention_mask"], ["logits"]
+    kv = [f"{{}}.{i}.{kind}" for i in range(n_layers) for kind in ("key", "value")]
+    return (["input_ids", "attention_mask", "position_ids"] + [n.format("past_key_values") for n in kv],
+            ["logits"] + [n.format("present") for n in kv])
+
+
+@functools.cache
+def _wrappers():
+    """The flat-tensor wrapper classes (built on first use: their base class is torch's)."""
+    import torch
+    from transformers import DynamicCache
+
+    class NoCache(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.m = model
+
+        def forward(self, input_ids, attention_mask):
+            return self.m(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    class WithCache(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.m = model
+
+        def forward(self, input_ids, attention_mask, position_ids, *past):
+            cache = DynamicCache([(past[i], past[i + 1]) for i in range(0, len(past), 2)], config=self.m.config)
+            out = self.m(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         cache=cache, use_cache=True)
+            presents = [t for layer in out.cache.layers for t in (layer.keys, layer.values)]
+            return (out.logits, *presents)
+
+    return NoCache, WithCache
+
+
+def wrap(model, cache: bool):
+    """The export wrapper: flat tensors in and out, optimum names in `io_names` order."""
+    return _wrappers()[1 if cache else 0](model)
+
+
+def export(model, out_dir, exporter: str = "legacy17", cache: bool = False, attn: str | None = None) -> Path:
+    """Export `model` into `out_dir` (created); returns the path of `model.onnx`.
+
+    `attn` ("sdpa" | "eager") switches the model's attention implementation first; None keeps it.
+    """
+    if exporter not in EXPORTERS:
+        raise ValueError(f"unknown exporter {exporter!r}; expected one of {EXPORTERS}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "model.onnx"
+    if attn is not None:
+        model.set_attn_implementation(attn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tracer warnings from transformers internals; expected
+        if exporter in ("legacy14", "legacy17"):
+            _export_legacy(model, path, int(exporter[-2:]), cache)
+        elif exporter == "dynamo":
+            _export_dynamo(model, path, cache)
+        elif exporter in ("hf", "hf-ortfused"):
+            _export_hf(model, out_dir, cache, ort_fusions="cpu" if exporter == "hf-ortfused" else None)
+        else:
+            _export_ortopt(model, path, cache)
+    return path
+
+
+def _dynamic_axes(n_layers: int, cache: bool) -> dict:
+    inputs, outputs = io_names(n_layers, cache)
+    axes = {"input_ids": {0: "batch_size", 1: "sequence_length"}, "logits": {0: "batch_size", 1: "sequence_length"}}
+    if not cache:
+        axes["attention_mask"] = {0: "batch_size", 1: "sequence_length"}
+        return axes
+    axes["attention_mask"] = {0: "batch_size", 1: "total_sequence_length"}
+    axes["position_ids"] = {0: "batch_size", 1: "sequence_length"}
+    for name in inputs[3:]:
+        axes[name] = {0: "batch_size", 2: "past_sequence_length"}
+    for name in outputs[1:]:
+        axes[name] = {0: "batch_size", 2: "total_sequence_length"}
+    return axes
+
+
+def _export_legacy(model, path: Path, opset: int, cache: bool) -> None:
+    import torch
+
+    wrapper = wrap(model, cache)
+    n_layers = model.config.num_hidden_layers
+    inputs, outputs = io_names(n_layers, cache)
+    with torch.no_grad():
+        torch.onnx.export(wrapper, trace_inputs(model.config, cache), str(path), dynamo=False,
+                          opset_version=opset, input_names=inputs, output_names=outputs,
+                          dynamic_axes=_dynamic_axes(n_layers, cache), do_constant_folding=True)
+
+
+def _export_dynamo(model, path: Path, cache: bool) -> None:
+    raise NotImplementedError("dynamo exporter: coming next")
+
+
+def _export_hf(model, out_dir: Path, cache: bool, ort_fusions: str | None) -> None:
+    raise NotImplementedError("hf exporter: coming next")
+
+
+def _export_ortopt(model, path: Path, cache: bool) -> None:
+    raise NotImplementedError("ortopt exporter: coming next")

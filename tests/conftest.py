@@ -1,0 +1,83 @@
+"""Shared fixtures: random-weight tiny models, their exports (cached on disk), and a CLI runner.
+
+Exports are cached under the pytest cache dir, keyed by the factory version and the
+torch/transformers/onnxscript versions, so repeated sessions reuse them. Each variant is
+exported once: a per-variant file lock serialises concurrent test processes, and the export is
+written to a temporary folder and renamed into place, so a reader never sees half a model.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import shutil
+import subprocess
+import sys
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+SEED = 0
+
+
+def _export_root(config) -> Path:
+    from mtkc import factory
+
+    versions = "-".join(metadata.version(p) for p in ("torch", "transformers", "onnxscript"))
+    key = f"v{factory.VERSION}-{versions}".replace("+", "_")
+    root = Path(config.cache.mkdir("mtkc-exports")) / key
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """`tiny_model(family="qwen2")` -> the seeded random-weight torch model (built once per family)."""
+    from mtkc import factory
+
+    models = {}
+
+    def get(family: str = "qwen2"):
+        if family not in models:
+            models[family] = factory.build_model(family, "tiny", seed=SEED)
+        return models[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def exported(request, tiny_model):
+    """`exported(family="qwen2", exporter="legacy17", cache=False)` -> Path to the tiny model.onnx."""
+    from mtkc import factory
+
+    root = _export_root(request.config)
+
+    def get(family: str = "qwen2", exporter: str = "legacy17", cache: bool = False) -> Path:
+        name = f"{family}-{exporter}-{'cache' if cache else 'nocache'}"
+        final = root / name
+        if not (final / "model.onnx").exists():
+            with open(root / f"{name}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not (final / "model.onnx").exists():
+                    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+                    try:
+                        factory.export(tiny_model(family), tmp, exporter, cache)
+                        tmp.rename(final)
+                    finally:
+                        shutil.rmtree(tmp, ignore_errors=True)
+        return final / "model.onnx"
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def run_cli():
+    """`run_cli(*args, cwd=None, timeout=300)` -> (exit code, stdout, stderr) of `python -m mtkc ARGS`."""
+
+    def run(*args, cwd=None, timeout: float = 300):
+        proc = subprocess.run([sys.executable, "-m", "mtkc", *map(str, args)], capture_output=True,
+                              text=True, cwd=cwd, timeout=timeout)
+        return proc.returncode, proc.stdout, proc.stderr
+
+    return run
