@@ -1,0 +1,327 @@
+"""A small declarative subgraph matcher over graphsurgeon graphs, with reasons for misses.
+
+A pattern is written as the ops it is made of, matched upward from the tensor it produces:
+
+    x = Var("x")
+    square = Or(Op("Pow", x, Const(value=2.0)), Op("Mul", x, x))
+    pattern = Op("ReduceMean", square, ...)
+
+* `Op(type, *inputs, attrs=..., name=...)`: a node of that type whose inputs match, in order;
+  `Add`/`Mul`/`Max`/`Min`/`And`/`Or` with two inputs also match with the inputs swapped.
+* `Var(name)`: any tensor; the same name must bind the same tensor (so `Mul(x, x)` means square).
+* `Const(name, value=, check=)`: a constant (initializer or `Constant` node), optionally with a value.
+* `Or(*alternatives)`, `Opt(type, inner)` (an optional op such as a Cast around `inner`).
+
+`match(pattern, tensor)` returns a `Match`: on success its bindings (`m["x"]`, `m.value("eps")`)
+and the nodes it covers; on failure the first failing condition and the node it failed on. Among
+alternatives the failure that got furthest is kept (the best partial match), which is what
+`mtkc compile --explain PASS` prints. `near(pattern, anchor)` tries the pattern on every tensor a
+few steps downstream of an anchor node, so a pass can report one miss per candidate site.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+COMMUTATIVE = {"Add", "Mul", "Max", "Min", "And", "Or", "Equal", "Sum"}
+MAX_CHECK_ELEMENTS = 1 << 16  # constant checks never read a weight larger than this
+
+
+def constant_of(tensor: gs.Tensor) -> gs.Constant | None:
+    """The constant behind `tensor`: itself, or the value of the `Constant`/`Identity` node making it."""
+    for _ in range(4):
+        if isinstance(tensor, gs.Constant):
+            return tensor
+        if len(tensor.inputs) != 1:
+            return None
+        node = tensor.inputs[0]
+        if node.op == "Constant" and isinstance(node.attrs.get("value"), gs.Constant):
+            return node.attrs["value"]
+        if node.op != "Identity":
+            return None
+        tensor = node.inputs[0]
+    return None
+
+
+def values_of(tensor: gs.Tensor, read: Callable[[gs.Constant], Any] | None = None) -> np.ndarray | None:
+    """Values of a constant tensor (read through `read` for external data), else None."""
+    const = constant_of(tensor)
+    if const is None:
+        return None
+    return np.asarray(read(const) if read is not None else const.values)
+
+
+def producer(tensor: gs.Tensor) -> gs.Node | None:
+    return tensor.inputs[0] if isinstance(tensor, gs.Variable) and len(tensor.inputs) == 1 else None
+
+
+@dataclass
+class Match:
+    """Outcome of one match: bindings and covered nodes, or the first failing condition."""
+
+    ok: bool
+    bindings: dict[str, Any] = field(default_factory=dict)
+    nodes: list[gs.Node] = field(default_factory=list)
+    reason: str = ""
+    node: str = ""
+    depth: int = 0
+    read: Callable[[gs.Constant], Any] | None = None
+
+    def __getitem__(self, name: str):
+        return self.bindings[name]
+
+    def get(self, name: str, default=None):
+        return self.bindings.get(name, default)
+
+    def value(self, name: str) -> np.ndarray:
+        """Values of the constant bound to `name`."""
+        return values_of(self.bindings[name], self.read)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+class _State:
+    def __init__(self, read):
+        self.bindings: dict[str, Any] = {}
+        self.nodes: list[gs.Node] = []
+        self.read = read
+        self.fail: tuple[int, str, str] | None = None  # (depth, reason, node)
+
+    def failed(self, reason: str, where: str) -> bool:
+        depth = len(self.nodes)
+        if self.fail is None or depth > self.fail[0]:
+            self.fail = (depth, reason, where)
+        return False
+
+    def save(self):
+        return dict(self.bindings), len(self.nodes)
+
+    def restore(self, saved) -> None:
+        self.bindings, n = dict(saved[0]), saved[1]
+        del self.nodes[n:]
+
+
+class Pattern:
+    def _match(self, tensor: gs.Tensor, st: _State) -> bool:
+        raise NotImplementedError
+
+
+class Var(Pattern):
+    """Any tensor; a name bound twice must be the same tensor."""
+
+    def __init__(self, name: str | None = None, check: Callable[[gs.Tensor], str | None] | None = None):
+        self.name, self.check = name, check
+
+    def _match(self, tensor, st):
+        if self.name in st.bindings and st.bindings[self.name] is not tensor:
+            return st.failed(f"'{self.name}' is {_label(st.bindings[self.name])} here but {_label(tensor)} there",
+                             _where(tensor))
+        if self.check is not None and (why := self.check(tensor)):
+            return st.failed(why, _where(tensor))
+        if self.name:
+            st.bindings[self.name] = tensor
+        return True
+
+
+class Const(Pattern):
+    """A constant; `value` (scalar, compared with tolerance) or `check(values) -> reason|None`."""
+
+    def __init__(self, name: str | None = None, value: float | None = None,
+                 check: Callable[[np.ndarray], str | None] | None = None, rtol: float = 1e-6):
+        self.name, self.value, self.check, self.rtol = name, value, check, rtol
+
+    def _match(self, tensor, st):
+        const = constant_of(tensor)
+        if const is None:
+            return st.failed(f"{_label(tensor)} is not a constant", _where(tensor))
+        if self.value is not None or self.check is not None:
+            if int(np.prod(const.shape or ())) > MAX_CHECK_ELEMENTS:
+                return st.failed(f"constant {const.name} is too large to check", _where(tensor))
+            vals = np.asarray(st.read(const) if st.read is not None else const.values)
+            if self.value is not None and (vals.size != 1 or not np.allclose(vals.astype(np.float64), self.value,
+                                                                             rtol=self.rtol, atol=0)):
+                shown = vals.reshape(-1)[:4].tolist()
+                return st.failed(f"constant {const.name} is {shown}, expected {self.value}", _where(tensor))
+            if self.check is not None and (why := self.check(vals)):
+                return st.failed(f"constant {const.name}: {why}", _where(tensor))
+        if self.name:
+            st.bindings[self.name] = tensor
+        return True
+
+
+class Op(Pattern):
+    """A node of `op` (in `domain`) producing the tensor, with inputs matching `inputs` in order.
+
+    `attrs`: name -> expected value, or callable(value) -> bool (a missing attribute is None).
+    `check(node) -> reason|None` for anything else. `name` binds the node. `extra_inputs` allows
+    trailing inputs the pattern does not list (e.g. Slice axes/steps).
+    """
+
+    def __init__(self, op: str, *inputs: Pattern, domain: str = "", attrs: dict | None = None,
+                 name: str | None = None, check: Callable[[gs.Node], str | None] | None = None,
+                 extra_inputs: bool = False, commute: bool | None = None):
+        self.op, self.inputs, self.domain, self.attrs = op, inputs, domain, attrs or {}
+        self.name, self.check, self.extra_inputs = name, check, extra_inputs
+        self.commute = (op in COMMUTATIVE and len(inputs) == 2) if commute is None else commute
+
+    def _match(self, tensor, st):
+        node = producer(tensor)
+        if node is None:
+            return st.failed(f"{_label(tensor)} is not computed by a node (expected {self.op})", _where(tensor))
+        if node.op != self.op or (node.domain or "") not in _domains(self.domain):
+            return st.failed(f"expected {self.op}, found {_qual(node)}", node.name)
+        if len(node.inputs) < len(self.inputs) or (not self.extra_inputs and len(node.inputs) > len(self.inputs)):
+            return st.failed(f"{self.op} has {len(node.inputs)} inputs, expected {len(self.inputs)}", node.name)
+        for key, want in self.attrs.items():
+            got = node.attrs.get(key)
+            if not (want(got) if callable(want) else _same(got, want)):
+                return st.failed(f"{self.op} attribute {key}={got!r}, expected {_show(want)}", node.name)
+        if self.check is not None and (why := self.check(node)):
+            return st.failed(why, node.name)
+        saved = st.save()
+        st.nodes.append(node)
+        if self.name:
+            st.bindings[self.name] = node
+        orders = [self.inputs, self.inputs[::-1]] if self.commute else [self.inputs]
+        for order in orders:
+            if all(p._match(t, st) for p, t in zip(order, node.inputs)):
+                return True
+            st.restore(saved)
+            st.nodes.append(node)
+            if self.name:
+                st.bindings[self.name] = node
+        st.restore(saved)
+        return False
+
+
+class Or(Pattern):
+    """The first alternative that matches."""
+
+    def __init__(self, *alternatives: Pattern):
+        self.alternatives = alternatives
+
+    def _match(self, tensor, st):
+        saved = st.save()
+        for alt in self.alternatives:
+            if alt._match(tensor, st):
+                return True
+            st.restore(saved)
+        return False
+
+
+def Opt(op: str, inner: Pattern, **kwargs) -> Pattern:
+    """`inner`, optionally wrapped in one `op` node (e.g. a Cast)."""
+    return Or(Op(op, inner, **kwargs), inner)
+
+
+def match(pattern: Pattern, tensor: gs.Tensor, read: Callable | None = None) -> Match:
+    """Match `pattern` against the subgraph producing `tensor`."""
+    st = _State(read)
+    if pattern._match(tensor, st):
+        return Match(True, st.bindings, st.nodes, read=read)
+    depth, reason, where = st.fail or (0, "no match", _where(tensor))
+    return Match(False, reason=reason, node=where, depth=depth, read=read)
+
+
+def near(pattern: Pattern, anchor: gs.Node, root_op: str, steps: int = 8, read: Callable | None = None) -> Match:
+    """Match `pattern` at the outputs of `root_op` nodes within `steps` consumers after `anchor`.
+
+    The first match that covers `anchor` wins; otherwise the deepest failure is returned, so a miss
+    names the condition that stopped the best candidate.
+    """
+    best: Match | None = None
+    seen, frontier = {id(anchor)}, [anchor]
+    for _ in range(steps + 1):
+        following = []
+        for node in frontier:
+            if node.op == root_op:
+                for out in node.outputs:
+                    found = match(pattern, out, read)
+                    if found and any(n is anchor for n in found.nodes):
+                        return found
+                    if found:
+                        found = Match(False, reason=f"{root_op} {node.name} matches without {anchor.name}",
+                                      node=node.name, depth=0)
+                    if best is None or found.depth > best.depth:
+                        best = found
+            for out in node.outputs:
+                for consumer in out.outputs:
+                    if id(consumer) not in seen:
+                        seen.add(id(consumer))
+                        following.append(consumer)
+        frontier = following
+    return best or Match(False, reason=f"no {root_op} within {steps} steps after {anchor.op} {anchor.name}",
+                         node=anchor.name)
+
+
+def _domains(domain: str) -> tuple[str, ...]:
+    return ("", "ai.onnx") if domain in ("", "ai.onnx") else (domain,)
+
+
+def _same(got, want) -> bool:
+    if isinstance(want, (list, tuple)):
+        return got is not None and list(np.atleast_1d(got)) == list(want)
+    return got == want
+
+
+def _show(want) -> str:
+    return getattr(want, "__doc__", None) or "a different value" if callable(want) else repr(want)
+
+
+def _label(tensor: gs.Tensor) -> str:
+    return f"tensor '{tensor.name}'"
+
+
+def _qual(node: gs.Node) -> str:
+    return f"{node.domain}::{node.op}" if node.domain not in (None, "", "ai.onnx") else node.op
+
+
+def _where(tensor: gs.Tensor) -> str:
+    node = producer(tensor)
+    return node.name if node is not None else tensor.name
+
+
+class Emit:
+    """Builds replacement nodes with unique names derived from the site they replace."""
+
+    def __init__(self, graph: gs.Graph, prefix: str):
+        self.graph, self.prefix, self.count = graph, prefix, 0
+
+    def name(self, what: str) -> str:
+        self.count += 1
+        return f"{self.prefix}/mtkc_{what}_{self.count}"
+
+    def const(self, what: str, values) -> gs.Constant:
+        return gs.Constant(self.name(what), np.ascontiguousarray(values))
+
+    def op(self, op: str, inputs: list, attrs: dict | None = None, domain: str = "", dtype=None,
+           shape=None, outputs: int = 1):
+        """Append `op`; returns its output Variable (or a list when `outputs` > 1)."""
+        outs = [gs.Variable(self.name(f"{op.lower()}_out"), dtype=dtype, shape=shape) for _ in range(outputs)]
+        node = gs.Node(op, self.name(op.lower()), attrs=dict(attrs or {}), inputs=list(inputs), outputs=outs)
+        if domain:
+            node.domain = domain
+        self.graph.nodes.append(node)
+        return outs[0] if outputs == 1 else outs
+
+
+def replace_uses(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
+    """Make every consumer of `old` (and the graph outputs) read `new`; a graph output keeps its name."""
+    for consumer in list(old.outputs):
+        for i, t in enumerate(consumer.inputs):
+            if t is old:
+                consumer.inputs[i] = new
+    if old in graph.outputs:
+        name = old.name
+        old.name = f"{name}.replaced"
+        new.name = name
+        graph.outputs[:] = [new if t is old else t for t in graph.outputs]
+        if new.dtype is None:
+            new.dtype = old.dtype
+        if new.shape is None:
+            new.shape = old.shape
