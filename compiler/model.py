@@ -1,8 +1,9 @@
-"""Model I/O: load an ONNX model with weights lazy on disk, read one weight on demand, save.
+"""Model I/O: load an ONNX model with weights lazy on disk, read one weight on demand.
 
-Weights are never read at load: graphsurgeon keeps every initializer as `LazyValues` over the
-original TensorProto. Every external-data reference is validated at load (before any pass runs),
-so a hostile model cannot make mtkc open a file outside its folder.
+Weights are never read at load: graphsurgeon keeps every initializer (and every tensor
+attribute, e.g. of `Constant` nodes) as `LazyValues` over the original TensorProto. Every
+external-data reference is validated at load, before any pass runs (`mtkc.model_checks`), so a
+hostile model cannot make mtkc open a file outside its folder. Saving lives in `mtkc.weights`.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 import onnx_graphsurgeon as gs
-from google.protobuf.message import DecodeError
 
 from mtkc.errors import InputError
+from mtkc.model_checks import ExternalDataError, external_fields, external_size, open_external, validate_proto
 
 PROTOBUF_LIMIT = 2**31 - 1
 
@@ -37,27 +38,46 @@ class Model:
         return read_values(tensor, self.root)
 
 
+class ExternalValues(gs.ir.tensor.LazyValues):
+    """LazyValues whose `load()` reads external data from the model folder.
+
+    Installed on every external constant at load, so `Constant.values` (and graphsurgeon's own
+    folding) work on external weights; the graphsurgeon exporter still writes the reference.
+    """
+
+    def __init__(self, tensor: onnx.TensorProto, root: Path):
+        super().__init__(tensor)
+        self.root = root
+
+    def load(self) -> np.ndarray:
+        return _read_external(self.tensor, self.root)
+
+
 def load(path: str | os.PathLike) -> Model:
     """Load `path` without reading any weight byte; validate structure and external data."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"{path}: no such model file")
     size = path.stat().st_size
+    if size > PROTOBUF_LIMIT:
+        raise InputError(
+            f"{path}: {size} bytes is over the 2 GiB protobuf limit; re-export with external data "
+            "(torch.onnx.export(..., external_data=True))"
+        )
     try:
         proto = onnx.load(str(path), load_external_data=False)
-    except (DecodeError, ValueError, RuntimeError, OSError) as exc:
+    except Exception as exc:  # DecodeError, RecursionError, ValueError...: all mean "not ONNX"
         raise InputError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {_first_line(exc)})") from None
-    if not proto.HasField("graph") or (not proto.graph.node and not proto.graph.output):
-        raise InputError(f"{path}: not an ONNX model (no graph)")
+    if not proto.HasField("graph") or not proto.graph.output or proto.ir_version <= 0:
+        raise InputError(f"{path}: not an ONNX model (no graph outputs or no ir_version; truncated?)")
     root = path.parent.resolve()
-    from mtkc.model_checks import validate_proto  # hardening lives in its own module
-
     validate_proto(proto, path, root)
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
     try:
         graph = gs.import_onnx(proto)
     except Exception as exc:  # graphsurgeon raises bare Exceptions on malformed graphs
         raise InputError(f"{path}: cannot import graph ({_first_line(exc)})") from None
+    _bind_external(graph, root)
     return Model(graph=graph, path=path, root=root, opset=opset, proto_bytes=size)
 
 
@@ -69,23 +89,64 @@ def external_info(tensor: onnx.TensorProto) -> dict[str, str] | None:
 
 
 def read_values(tensor: gs.Constant, root: Path) -> np.ndarray:
-    """Values of a constant; external data is read from `root` (already validated at load)."""
+    """Values of a constant; external data is read from `root` (validated again on open)."""
     lazy = tensor._values
-    if not isinstance(lazy, gs.ir.tensor.LazyValues):
+    if isinstance(lazy, gs.ir.tensor.SparseValues) or not isinstance(lazy, gs.ir.tensor.LazyValues):
         return np.asarray(tensor.values)
-    proto = lazy.tensor
-    info = external_info(proto)
-    if info is None:
-        return np.array(onnx.numpy_helper.to_array(proto))
-    dtype = onnx.helper.tensor_dtype_to_np_dtype(proto.data_type)
-    offset = int(info.get("offset", 0))
-    count = int(np.prod(proto.dims, dtype=np.int64))
-    with open(root / info["location"], "rb") as f:
-        f.seek(offset)
-        data = np.fromfile(f, dtype=dtype, count=count)
-    if data.size != count:
-        raise InputError(f"{root / info['location']}: tensor '{proto.name}' external data is truncated")
-    return data.reshape(tuple(proto.dims))
+    if lazy.tensor.data_location == onnx.TensorProto.EXTERNAL:
+        return _read_external(lazy.tensor, root)
+    return np.array(onnx.numpy_helper.to_array(lazy.tensor))
+
+
+def constants(graph: gs.Graph):
+    """Every distinct Constant reachable from `graph`: initializers, node tensor attributes,
+    and the same inside subgraphs, in a deterministic (node) order."""
+    seen: set[int] = set()
+    stack = [graph]
+    while stack:
+        g = stack.pop()
+        tensors = list(g.tensors().values())
+        for node in g.nodes:
+            for value in node.attrs.values():
+                if isinstance(value, gs.Constant):
+                    tensors.append(value)
+                elif isinstance(value, gs.Graph):
+                    stack.append(value)
+        for t in tensors:
+            if isinstance(t, gs.Constant) and id(t) not in seen:
+                seen.add(id(t))
+                yield t
+
+
+def _bind_external(graph: gs.Graph, root: Path) -> None:
+    for const in constants(graph):
+        lazy = const._values
+        if type(lazy) is gs.ir.tensor.LazyValues and lazy.tensor.data_location == onnx.TensorProto.EXTERNAL:
+            const._values = ExternalValues(lazy.tensor, root)
+
+
+def _read_external(proto: onnx.TensorProto, root: Path) -> np.ndarray:
+    location = external_info(proto).get("location", "")
+    try:
+        _, offset, _ = external_fields(proto)
+        nbytes = external_size(proto)
+        with open_external(root, location) as f:
+            f.seek(offset)
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(proto.data_type)
+            if dtype.itemsize * int(np.prod(proto.dims, dtype=np.int64)) == nbytes:
+                data = np.fromfile(f, dtype=dtype, count=nbytes // max(dtype.itemsize, 1))  # little-endian host
+                short = data.nbytes != nbytes
+                data = data.reshape(tuple(proto.dims)) if not short else data
+            else:  # sub-byte types: let onnx unpack them
+                raw = f.read(nbytes)
+                short = len(raw) != nbytes
+                inline = onnx.TensorProto(name=proto.name, data_type=proto.data_type, dims=proto.dims, raw_data=raw)
+                data = None if short else np.array(onnx.numpy_helper.to_array(inline))
+    except (ExternalDataError, OSError) as exc:
+        raise InputError(f"{root / location}: tensor '{proto.name}': {exc}") from None
+    if short:
+        raise InputError(f"{root / location}: tensor '{proto.name}' external data is truncated")
+    return data
 
 
 def _first_line(exc: BaseException) -> str:

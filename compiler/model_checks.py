@@ -1,41 +1,376 @@
-"""Structural and external-data validation of a model proto, run at load before any pass.
+"""Validation of a model proto at load, before any pass runs: external data, then structure.
 
-Each failure is an InputError naming the file and the tensor/node; no file outside the model
-folder is ever opened.
+Every failure is an InputError with one line naming the file and the tensor/node.
+
+External data (initializers, sparse initializers, tensor attributes of any node - `Constant`
+as optimum writes it - in the main graph, all subgraphs and local functions):
+  * metadata: `location` present; `offset`/`length` non-negative decimal integers; unknown
+    keys are logged and ignored (never used as attribute names);
+  * `location` is relative (no `/x`, `\\x`, `C:x`) and has no `..` component. Both are
+    decided on the string, before the file system is touched, so a traversal never turns into a
+    "file not found" and no path outside the model folder is ever stat'ed or opened;
+  * the path is resolved one component at a time (`resolve_location`), the way the kernel does,
+    and every step is checked for containment BEFORE it is `lstat`-ed. Symlinks are followed
+    only while they stay inside an allowed tree:
+      - the model folder (its real path), and
+      - Hugging Face cache layout: when the model folder lies in `<repo>/snapshots/<rev>/...`,
+        also `<repo>/blobs/` (hub files are symlinks `snapshots/<rev>/f -> ../../blobs/<hash>`).
+    `<repo>` is found from the folder's own path (nearest ancestor followed by `snapshots/<rev>`),
+    not by probing the disk. A symlink (relative or absolute target) ending outside both, or a
+    sub-folder symlinked elsewhere, is refused before anything outside is looked at;
+  * the target is a regular file with one hard link: a second link can alias any file of the
+    user's (e.g. a key) from inside the folder and nothing on disk tells where the other name
+    is, so mtkc refuses it as onnx >= 1.21 does;
+  * `offset + length` (length defaults to the tensor's size) lies within the file, and an
+    explicit length equals the tensor's size. No byte of the file is read.
+Each distinct location is resolved once, so this is linear in the number of tensors.
+
+Inline data: `raw_data` length (or the typed field's element count) matches the shape.
+
+Structure: subgraph nesting <= 32 (onnxruntime's cap); every node input is produced by a graph
+input, an initializer, an earlier-or-later node output or an enclosing scope ("" is an absent
+optional); every tensor name is produced once; no cycles (Kahn's algorithm, subgraph free
+variables counted as inputs of their node); graph outputs are produced.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import re
+import stat
+from collections import deque
 from pathlib import Path
 
 import onnx
 
 from mtkc.errors import InputError
 
+log = logging.getLogger("mtkc")
+
+MAX_SUBGRAPH_DEPTH = 32
+MAX_SYMLINKS = 40
+KNOWN_KEYS = frozenset({"location", "offset", "length", "checksum", "basepath"})
+_DECIMAL = re.compile(r"[0-9]{1,20}")
+_TENSOR_ATTRS = (onnx.AttributeProto.TENSOR, onnx.AttributeProto.TENSORS)
+_SPARSE_ATTRS = (onnx.AttributeProto.SPARSE_TENSOR, onnx.AttributeProto.SPARSE_TENSORS)
+_GRAPH_ATTRS = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+SUB_BYTE_BITS = {
+    getattr(onnx.TensorProto, n): bits
+    for n, bits in (("INT4", 4), ("UINT4", 4), ("FLOAT4E2M1", 4), ("INT2", 2), ("UINT2", 2))
+    if hasattr(onnx.TensorProto, n)
+}
+_TYPED_FIELD = {  # data_type -> (typed field, values per element) when raw_data is absent
+    onnx.TensorProto.FLOAT: ("float_data", 1),
+    onnx.TensorProto.DOUBLE: ("double_data", 1),
+    onnx.TensorProto.INT64: ("int64_data", 1),
+    onnx.TensorProto.UINT32: ("uint64_data", 1),
+    onnx.TensorProto.UINT64: ("uint64_data", 1),
+    onnx.TensorProto.STRING: ("string_data", 1),
+    onnx.TensorProto.COMPLEX64: ("float_data", 2),
+    onnx.TensorProto.COMPLEX128: ("double_data", 2),
+    **{
+        t: ("int32_data", 1)
+        for t in (
+            onnx.TensorProto.INT32, onnx.TensorProto.INT16, onnx.TensorProto.INT8,
+            onnx.TensorProto.UINT16, onnx.TensorProto.UINT8, onnx.TensorProto.BOOL,
+            onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
+        )
+    },
+}
+
 
 def validate_proto(proto: onnx.ModelProto, path: Path, root: Path) -> None:
-    for tensor in _external_tensors(proto.graph):
-        _validate_external(tensor, path, root)
+    """Raise InputError on the first hostile or broken reference or structure in `proto`."""
+    files: dict[str, tuple[str, int]] = {}  # location -> (real path, size), resolved once
+    for tensor, where in _tensors(proto):
+        _check_tensor(tensor, where, path, root, files)
+    _check_graph(proto.graph, path, [], depth=0)
 
 
-def _external_tensors(graph: onnx.GraphProto):
-    yield from (t for t in graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.TENSOR and attr.t.data_location == onnx.TensorProto.EXTERNAL:
-                yield attr.t
+# ---------------------------------------------------------------------------- external data
 
 
-def _validate_external(tensor: onnx.TensorProto, path: Path, root: Path) -> None:
-    info = {e.key: e.value for e in tensor.external_data}
-    location = info.get("location", "")
-    where = f"{path}: tensor '{tensor.name}'"
+class ExternalDataError(Exception):
+    """Why one external-data location is refused (the caller adds file and tensor)."""
+
+
+def resolve_location(root: Path, location: str) -> tuple[str, os.stat_result]:
+    """Real path and `lstat` of `location` under `root`, per the policy in the module docstring.
+
+    Raises ExternalDataError; never stats a path outside the allowed trees.
+    """
+    parts = location_parts(location)
+    root_real = os.path.realpath(root)
+    allowed = _allowed_trees(root_real)
+    current, pending, hops, st = root_real, list(reversed(parts)), 0, None
+    while pending:
+        part = pending.pop()
+        if part in ("", "."):
+            continue
+        if part == "..":  # only from a symlink target; `current` is symlink-free here
+            current, st = os.path.dirname(current), None
+            continue
+        current = os.path.join(current, part)
+        if root_real == current or root_real.startswith(current + os.sep):
+            st = None  # a folder on the model folder's own real path: nothing to check
+            continue
+        if not any(current == t or current.startswith(t + os.sep) for t in allowed):
+            raise ExternalDataError(f"external data '{location}' is a symlink leaving the model folder")
+        try:
+            st = os.lstat(current)
+        except FileNotFoundError:
+            raise ExternalDataError(f"external data file '{location}' is missing") from None
+        except OSError as exc:
+            raise ExternalDataError(f"external data file '{location}' cannot be accessed ({exc.strerror})") from None
+        if stat.S_ISLNK(st.st_mode):
+            hops += 1
+            if hops > MAX_SYMLINKS:
+                raise ExternalDataError(f"external data '{location}' has too many levels of symlinks")
+            target = os.readlink(current)
+            current = os.sep if os.path.isabs(target) else os.path.dirname(current)
+            pending.extend(reversed(target.split(os.sep)))
+        elif pending and not stat.S_ISDIR(st.st_mode):
+            raise ExternalDataError(f"external data file '{location}' is missing")
+    if st is None or not stat.S_ISREG(st.st_mode):
+        raise ExternalDataError(f"external data '{location}' is not a regular file")
+    if st.st_nlink > 1:
+        raise ExternalDataError(
+            f"external data file '{location}' has {st.st_nlink} hard links (it may alias a file outside the model folder)"
+        )
+    return current, st
+
+
+def open_external(root: Path, location: str):
+    """Open a validated external-data file for reading (binary), refusing a swap since validation."""
+    real, st = resolve_location(root, location)
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(real, flags)
+    opened = os.fstat(fd)
+    if (opened.st_dev, opened.st_ino) != (st.st_dev, st.st_ino) or opened.st_nlink > 1:
+        os.close(fd)
+        raise ExternalDataError(f"external data file '{location}' changed while it was opened")
+    return os.fdopen(fd, "rb")
+
+
+def location_parts(location: str) -> list[str]:
+    """Components of a relative location ('/' and '\\' both separate); refuses escapes."""
     if not location:
-        raise InputError(f"{where} has external data without a location")
-    if Path(location).is_absolute() or location.startswith(("/", "\\")):
-        raise InputError(f"{where} external data location '{location}' is absolute")
-    if ".." in Path(location).parts:
-        raise InputError(f"{where} external data location '{location}' escapes the model folder")
-    target = root / location
-    if not target.is_file():
-        raise InputError(f"{where} external data file '{location}' is missing")
+        raise ExternalDataError("external data has no location")
+    if "\0" in location:
+        raise ExternalDataError(f"external data location {location!r} contains a NUL byte")
+    if location.startswith(("/", "\\")) or re.match(r"[A-Za-z]:", location):
+        raise ExternalDataError(f"external data location '{location}' is an absolute path")
+    parts = [p for p in re.split(r"[/\\]", location) if p not in ("", ".")]
+    if ".." in parts:
+        raise ExternalDataError(f"external data location '{location}' escapes the model folder ('..')")
+    if not parts:
+        raise ExternalDataError(f"external data location '{location}' names no file")
+    return parts
+
+
+def _allowed_trees(root_real: str) -> list[str]:
+    trees = [root_real]
+    parts = Path(root_real).parts
+    for i in range(len(parts) - 2, 0, -1):  # nearest `<repo>/snapshots/<rev>` above the folder
+        if parts[i] == "snapshots":
+            trees.append(os.path.join(*parts[:i], "blobs"))
+            break
+    return trees
+
+
+def external_size(tensor: onnx.TensorProto) -> int:
+    """Bytes a tensor's data occupies (dims already checked non-negative)."""
+    count = 1
+    for d in tensor.dims:
+        count *= d
+    if tensor.data_type in SUB_BYTE_BITS:
+        return (count * SUB_BYTE_BITS[tensor.data_type] + 7) // 8
+    try:
+        return count * onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+    except (KeyError, TypeError, ValueError):
+        raise ExternalDataError(f"has data type {tensor.data_type} that cannot be stored externally") from None
+
+
+def external_fields(tensor: onnx.TensorProto) -> tuple[str, int, int | None]:
+    """(location, offset, length or None) of an external tensor, validated as text."""
+    info: dict[str, str] = {}
+    unknown = []
+    for entry in tensor.external_data:
+        if entry.key in KNOWN_KEYS:
+            info[entry.key] = entry.value
+        else:
+            unknown.append(entry.key)
+    if unknown:
+        shown = ", ".join(repr(k) for k in unknown[:10])
+        log.warning("mtkc: warning: tensor '%s' has unknown external_data keys %s (ignored)", tensor.name, shown)
+    numbers = {}
+    for key in ("offset", "length"):
+        text = info.get(key)
+        if text is not None and not _DECIMAL.fullmatch(text):
+            raise ExternalDataError(f"external data {key} {text!r} is not a non-negative integer")
+        numbers[key] = None if text is None else int(text)
+    return info.get("location", ""), numbers["offset"] or 0, numbers["length"]
+
+
+def _check_tensor(tensor: onnx.TensorProto, where: str, path: Path, root: Path, files: dict) -> None:
+    try:
+        if any(d < 0 for d in tensor.dims):
+            raise ExternalDataError(f"has a negative dimension {list(tensor.dims)}")
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            _check_external(tensor, root, files)
+        else:
+            _check_inline(tensor)
+    except ExternalDataError as exc:
+        raise InputError(f"{path}: {where}: {exc}") from None
+
+
+def _check_external(tensor: onnx.TensorProto, root: Path, files: dict) -> None:
+    if tensor.data_type == onnx.TensorProto.STRING:
+        raise ExternalDataError("string tensors cannot have external data")
+    size = external_size(tensor)
+    location, offset, length = external_fields(tensor)
+    if location not in files:
+        real, st = resolve_location(root, location)
+        files[location] = (real, st.st_size)
+    file_size = files[location][1]
+    if length is not None and length != size:
+        raise ExternalDataError(f"external data length {length} does not match its shape ({size} bytes)")
+    if offset + size > file_size:
+        raise ExternalDataError(
+            f"external data offset {offset} + length {size} exceeds the size of '{location}' ({file_size} bytes)"
+        )
+
+
+def _check_inline(tensor: onnx.TensorProto) -> None:
+    if tensor.HasField("raw_data") and tensor.data_type != onnx.TensorProto.STRING:
+        size = external_size(tensor)
+        if len(tensor.raw_data) != size:
+            raise ExternalDataError(f"has {len(tensor.raw_data)} bytes of raw_data, its shape needs {size}")
+        return
+    field, per = _TYPED_FIELD.get(tensor.data_type, (None, 0))
+    if field is None:
+        return
+    count = 1
+    for d in tensor.dims:
+        count *= d
+    have = len(getattr(tensor, field))
+    if have != count * per:
+        raise ExternalDataError(f"has {have} values in {field}, its shape needs {count * per}")
+
+
+def _tensors(proto: onnx.ModelProto):
+    """(TensorProto, description) for every tensor stored in the model, subgraphs included."""
+    yield from _graph_tensors(proto.graph)
+    for func in proto.functions:
+        yield from _node_tensors(func.node, f"function '{func.name}' ")
+
+
+def _graph_tensors(graph: onnx.GraphProto):
+    for t in graph.initializer:
+        yield t, f"tensor '{t.name}'"
+    for s in graph.sparse_initializer:
+        yield from _sparse_parts(s, f"sparse tensor '{s.values.name}'")
+    yield from _node_tensors(graph.node, "")
+
+
+def _node_tensors(nodes, prefix: str):
+    for node in nodes:
+        label = f"{prefix}node '{node.name}' ({node.op_type})"
+        for attr in node.attribute:
+            where = f"{label} attribute '{attr.name}'"
+            if attr.type in _TENSOR_ATTRS:
+                for t in [attr.t] if attr.type == onnx.AttributeProto.TENSOR else attr.tensors:
+                    yield t, f"{where} tensor '{t.name}'"
+            elif attr.type in _SPARSE_ATTRS:
+                for s in [attr.sparse_tensor] if attr.type == onnx.AttributeProto.SPARSE_TENSOR else attr.sparse_tensors:
+                    yield from _sparse_parts(s, f"{where} sparse tensor '{s.values.name}'")
+            elif attr.type in _GRAPH_ATTRS:
+                for g in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
+                    yield from _graph_tensors(g)
+
+
+def _sparse_parts(sparse: onnx.SparseTensorProto, where: str):
+    for part in (sparse.values, sparse.indices):
+        if part.data_location == onnx.TensorProto.EXTERNAL:
+            raise InputError(f"{where}: external data in sparse tensors is not supported")
+        yield part, where
+
+
+# ---------------------------------------------------------------------------- structure
+
+
+def _check_graph(graph: onnx.GraphProto, path: Path, outer: list[set[str]], depth: int) -> set[str]:
+    """Check one (sub)graph; returns the names it reads from enclosing scopes."""
+    if depth > MAX_SUBGRAPH_DEPTH:
+        raise InputError(f"{path}: graph '{graph.name}' is nested more than {MAX_SUBGRAPH_DEPTH} subgraphs deep")
+    defined = {v.name for v in graph.input}
+    defined.update(t.name for t in graph.initializer)
+    defined.update(s.values.name for s in graph.sparse_initializer)
+    producer: dict[str, int] = {}
+    for i, node in enumerate(graph.node):
+        for name in node.output:
+            if not name:
+                continue
+            if name in producer or name in defined:
+                other = graph.node[producer[name]] if name in producer else None
+                by = f"node {_node(other)}" if other is not None else "a graph input or initializer"
+                raise InputError(f"{path}: node {_node(node)} output '{name}' is already produced by {by}")
+            producer[name] = i
+    scopes = [*outer, defined, producer.keys()]
+    free: set[str] = set()
+    reads: list[list[str]] = []
+    for node in graph.node:
+        names = [n for n in node.input if n]
+        for attr in node.attribute:
+            if attr.type in _GRAPH_ATTRS:
+                for g in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
+                    names.extend(sorted(_check_graph(g, path, scopes, depth + 1)))
+        for name in names:
+            if name in producer or name in defined:
+                continue
+            if any(name in s for s in outer):
+                free.add(name)
+                continue
+            raise InputError(
+                f"{path}: node {_node(node)} input '{name}' is not produced by any node, graph input or initializer"
+            )
+        reads.append(names)
+    for out in graph.output:
+        if out.name not in producer and out.name not in defined and not any(out.name in s for s in outer):
+            raise InputError(f"{path}: graph output '{out.name}' is not produced by any node, graph input or initializer")
+    _check_acyclic(graph, path, producer, reads)
+    return free
+
+
+def _check_acyclic(graph: onnx.GraphProto, path: Path, producer: dict[str, int], reads: list[list[str]]) -> None:
+    """Kahn's algorithm over node indices; names one node of a cycle if there is one."""
+    n = len(graph.node)
+    preds = [{producer[x] for x in names if x in producer} for names in reads]
+    succs: list[list[int]] = [[] for _ in range(n)]
+    for i, ps in enumerate(preds):
+        for p in ps:
+            succs[p].append(i)
+    indegree = [len(ps) for ps in preds]
+    ready = deque(i for i in range(n) if indegree[i] == 0)
+    seen = 0
+    while ready:
+        i = ready.popleft()
+        seen += 1
+        for j in succs[i]:
+            indegree[j] -= 1
+            if indegree[j] == 0:
+                ready.append(j)
+    if seen == n:
+        return
+    # Walk back through unfinished predecessors until a node repeats: it lies on a cycle.
+    i = next(k for k in range(n) if indegree[k] > 0)
+    visited: set[int] = set()
+    while i not in visited:
+        visited.add(i)
+        i = next(p for p in sorted(preds[i]) if indegree[p] > 0)
+    raise InputError(f"{path}: node {_node(graph.node[i])} is part of a cycle")
+
+
+def _node(node: onnx.NodeProto) -> str:
+    return f"'{node.name}' ({node.op_type})" if node.name else f"<unnamed {node.op_type} -> {list(node.output)}>"

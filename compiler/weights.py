@@ -1,0 +1,261 @@
+"""Save graphs with their weights in ONE external-data file shared by all of them.
+
+    WeightWriter(out_dir, "weights.bin")         prefill.onnx ─┐
+        .export(prefill_graph, root, ...)         decode.onnx  ─┼─► weights.bin (each tensor once)
+        .export(decode_graph, root, ...)          part_0.onnx  ─┘
+        .close()
+
+Every constant of at least `threshold` bytes (initializers, `Constant`-node tensor attributes,
+subgraphs, functions) goes to the shared file at an `align`-byte aligned offset; the `.onnx`
+files only carry references, so no proto ever comes near the 2 GiB limit. Smaller constants stay
+inline (a small external constant of the source model is read and inlined).
+
+Dedup: a lazy constant still backed by the source model's external data is identified by its
+source (file identity, offset, length) and copied once, streamed in chunks; an in-memory constant
+(folded, rewritten) or an inline source constant is identified by the SHA-256 of its bytes.
+Output is deterministic: same graphs in the same order -> byte-identical files.
+
+Safety: the weights file is written to a temporary name in `out_dir` and moved into place by
+`close()` (removed on error); a target that is a symlink, or that is one of the source files
+being read, is refused (writing it would corrupt the input model). Graph files are written
+to a temporary name and renamed. All graph files must live directly in `out_dir`, so the
+location is a bare file name that onnxruntime, onnx and `mtkc.model.load` resolve alike.
+`save(graph, root, path)` is the one-graph form: weights go to `<path.name>.data`
+(`model.onnx` -> `model.onnx.data`, the torch exporter's convention).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
+
+from mtkc.errors import InputError
+from mtkc.model import constants, external_info
+from mtkc.model_checks import SUB_BYTE_BITS, ExternalDataError, external_fields, external_size, open_external, resolve_location
+
+CHUNK = 16 << 20
+LazyValues = gs.ir.tensor.LazyValues
+
+
+class WeightWriter:
+    """One shared weights file for several graphs; use as a context manager or call close()."""
+
+    def __init__(self, out_dir: str | os.PathLike, filename: str = "weights.bin", *, align: int = 64, threshold: int = 1024):
+        if not filename or Path(filename).name != filename or filename in (".", ".."):
+            raise ValueError(f"weights file name must be a bare file name, got {filename!r}")
+        self.out_dir = Path(out_dir)
+        self.filename = filename
+        self.path = self.out_dir / filename
+        self.align = align
+        self.threshold = threshold
+        self._tmp: Path | None = None
+        self._file = None
+        self._end = 0
+        self._by_source: dict[tuple, int] = {}  # (dev, ino, offset, length) -> offset
+        self._by_digest: dict[tuple, int] = {}  # (sha256, length) -> offset
+        self._source_ids: dict[tuple[str, str], tuple[int, int]] = {}  # (root, location) -> (dev, ino)
+        self._target_id = _file_id(self.path)
+
+    def __enter__(self) -> WeightWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def export(self, graph: gs.Graph, root: str | os.PathLike, path: str | os.PathLike, opset: int | None = None) -> onnx.ModelProto:
+        """Write `graph` to `path` (in out_dir), its large constants to the shared file; return the proto.
+
+        `root` is the folder the graph's lazy external constants are relative to (Model.root).
+        """
+        path = Path(path)
+        if path.parent.resolve() != self.out_dir.resolve():
+            raise ValueError(f"{path}: graph files must be written directly into {self.out_dir}")
+        root = Path(root)
+        swapped = []
+        try:
+            for const in constants(graph):
+                ref = self._stored(const, root)
+                if ref is not None:
+                    swapped.append((const, const._values))
+                    const._values = LazyValues(ref)
+            proto = gs.export_onnx(graph, do_type_check=False)
+        finally:
+            for const, values in swapped:
+                const._values = values
+        if opset is not None:
+            for entry in proto.opset_import:
+                if entry.domain in ("", "ai.onnx"):
+                    entry.version = opset
+        _write_atomic(path, proto.SerializeToString(deterministic=True))
+        return proto
+
+    def close(self) -> None:
+        """Flush, fsync and move the weights file into place (nothing is created if empty)."""
+        if self._file is None:
+            return
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._file = None
+        os.replace(self._tmp, self.path)
+
+    def abort(self) -> None:
+        """Drop the partial weights file."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+            self._tmp.unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ one constant
+
+    def _stored(self, const: gs.Constant, root: Path) -> onnx.TensorProto | None:
+        """A reference TensorProto for `const` after storing its bytes, or None to leave it as is."""
+        values = const._values
+        if isinstance(values, gs.ir.tensor.SparseValues):
+            return None
+        if isinstance(values, LazyValues):
+            proto = values.tensor
+            if proto.data_location == onnx.TensorProto.EXTERNAL:
+                return self._from_source_file(proto, root)
+            if proto.data_type in SUB_BYTE_BITS or proto.data_type == onnx.TensorProto.STRING:
+                return None
+            if proto.HasField("raw_data"):
+                data = memoryview(proto.raw_data)
+            else:
+                if values.nbytes < self.threshold:
+                    return None
+                data = _bytes_of(onnx.numpy_helper.to_array(proto))
+            return self._from_memory(proto.name, proto.data_type, list(proto.dims), data)
+        array = np.asarray(values)
+        if array.dtype == object or const.export_dtype != array.dtype:
+            return None
+        data_type = dtype_to_onnx(array.dtype)
+        if data_type in SUB_BYTE_BITS:
+            return None
+        return self._from_memory(const.name, data_type, list(array.shape), _bytes_of(array))
+
+    def _from_memory(self, name: str, data_type: int, dims: list[int], data: memoryview) -> onnx.TensorProto | None:
+        if data.nbytes < self.threshold:
+            return None
+        key = (hashlib.sha256(data).digest(), data.nbytes)
+        if key not in self._by_digest:
+            self._by_digest[key] = self._append([data])
+        return _reference(name, data_type, dims, self.filename, self._by_digest[key], data.nbytes)
+
+    def _from_source_file(self, proto: onnx.TensorProto, root: Path) -> onnx.TensorProto:
+        location = external_info(proto).get("location", "")
+        try:
+            _, offset, _ = external_fields(proto)
+            nbytes = external_size(proto)
+            source = self._source_id(root, location)
+            if nbytes < self.threshold:  # small: inline it
+                with open_external(root, location) as f:
+                    f.seek(offset)
+                    raw = f.read(nbytes)
+                if len(raw) != nbytes:
+                    raise ExternalDataError("external data is truncated")
+                inline = onnx.TensorProto(name=proto.name, data_type=proto.data_type, dims=proto.dims, raw_data=raw)
+                return inline
+            key = (*source, offset, nbytes)
+            if key not in self._by_source:
+                with open_external(root, location) as f:
+                    f.seek(offset)
+                    self._by_source[key] = self._append(_chunks(f, nbytes))
+        except (ExternalDataError, OSError) as exc:
+            raise InputError(f"{root / location}: tensor '{proto.name}': {exc}") from None
+        return _reference(proto.name, proto.data_type, list(proto.dims), self.filename, self._by_source[key], nbytes)
+
+    def _source_id(self, root: Path, location: str) -> tuple[int, int]:
+        key = (str(root), location)
+        if key not in self._source_ids:
+            _, st = resolve_location(root, location)
+            ident = (st.st_dev, st.st_ino)
+            if ident == self._target_id:
+                raise InputError(f"{self.path}: output weights file is the input's external data '{root / location}'")
+            self._source_ids[key] = ident
+        return self._source_ids[key]
+
+    def _append(self, pieces) -> int:
+        """Write pieces at the next aligned offset; returns that offset."""
+        if self._file is None:
+            self._open()
+        pad = -self._end % self.align
+        if pad:
+            self._file.write(b"\0" * pad)
+        start = self._end + pad
+        written = 0
+        for piece in pieces:
+            self._file.write(piece)
+            written += len(piece) if isinstance(piece, bytes) else piece.nbytes
+        self._end = start + written
+        return start
+
+    def _open(self) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if self.path.is_symlink():
+            raise InputError(f"{self.path}: refusing to write weights through a symlink")
+        self._tmp = self.out_dir / f".{self.filename}.tmp-{os.getpid()}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        self._file = os.fdopen(os.open(self._tmp, flags, 0o644), "wb")
+
+
+def save(graph: gs.Graph, root: str | os.PathLike, path: str | os.PathLike, opset: int | None = None) -> onnx.ModelProto:
+    """Write one graph to `path` with its weights in `<path.name>.data` beside it."""
+    path = Path(path)
+    with WeightWriter(path.parent, f"{path.name}.data") as writer:
+        return writer.export(graph, root, path, opset)
+
+
+def _reference(name: str, data_type: int, dims: list[int], location: str, offset: int, length: int) -> onnx.TensorProto:
+    ref = onnx.TensorProto(name=name, data_type=data_type, dims=dims, data_location=onnx.TensorProto.EXTERNAL)
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = ref.external_data.add()
+        entry.key, entry.value = key, value
+    return ref
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+    """The little-endian bytes of an array, without a copy when it is already contiguous."""
+    flat = np.ascontiguousarray(array).reshape(-1)
+    return memoryview(flat.view(np.uint8))
+
+
+def _chunks(f, nbytes: int):
+    remaining = nbytes
+    while remaining:
+        block = f.read(min(CHUNK, remaining))
+        if not block:
+            raise ExternalDataError("external data is truncated")
+        remaining -= len(block)
+        yield block
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    if path.is_symlink():
+        raise InputError(f"{path}: refusing to write a graph through a symlink")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
