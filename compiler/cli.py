@@ -14,6 +14,9 @@ from mtkc.errors import MtkcError
 COMMANDS = [
     "mtkc.commands.check",
     "mtkc.commands.sdks",
+    "mtkc.commands.passes",
+    "mtkc.commands.compile",
+    "mtkc.commands.verify",
 ]
 
 log = logging.getLogger("mtkc")

@@ -4,16 +4,39 @@ A pass has a unique kebab-case `name`, a one-line `description`, `applies(ctx)` 
 and `run(graph, ctx) -> PassResult`. Register built-ins and plugins with `@register`.
 Rewrites report the sites that did not match (`PassResult.misses`) with the first failing
 condition, so `mtkc compile --explain PASS` can say why without reading code.
+
+    @register
+    class FuseFoo(Pass):
+        name = "fuse-foo"
+        description = "Foo+Bar -> FooBar"
+
+        def run(self, graph, ctx):
+            ...
+            return PassResult(rewrites=n, misses=[Miss(node.name, "Bar has two consumers")])
+
+The pass manager owns the graph's invariants: after `run` it removes dead nodes, sorts
+topologically, names unnamed/duplicate nodes `<pass>/<op or old name>`, and checks that no
+tensor dangles and every new tensor is typed (static once shapes are bound). Name new nodes
+with `unique_name(graph, base)` or a `NodeNames` to keep names readable.
+
+A pass that changes the graph's I/O contract (a mask/RoPE/KV-cache normalisation replaces
+inputs or outputs) overrides `map_feeds` / `map_outputs`, so `--verify-each` can feed the
+rewritten graph and compare it with the input model. Both are called on the same instance
+after its `run`, so `run` may record what it replaced on `self`.
 """
 
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+import numpy as np
 import onnx_graphsurgeon as gs
+
+from mtkc.errors import PassError
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
 
@@ -39,7 +62,11 @@ class PassResult:
 
 @dataclass
 class Context:
-    """What a pass may consult: the target table, user options, and how to read a weight."""
+    """What a pass may consult: the target table, user options, and how to read a weight.
+
+    `options` holds the compile options: `seq_len`, `cache_len`, `batch`, `input_shapes`
+    ({input name: dims}), `arch`, ... (None when not given).
+    """
 
     table: Any  # mtkc.capability.Table
     options: dict[str, Any] = field(default_factory=dict)
@@ -52,11 +79,21 @@ class Context:
 
 
 class Pass:
-    """Base class for rewrite passes. Subclasses set `name`, `description`, implement `run`."""
+    """Base class for rewrite passes. Subclasses set `name`, `description`, implement `run`.
+
+    Class attributes a pass may set:
+      idempotent  False if running it twice may rewrite again (the idempotency test skips it)
+      after       for plugin passes: the pass after which it runs in the default pipeline
+                  (appended at the end when unset or absent)
+    `origin` is filled in by the registry: "built-in", "plugin <file or module>",
+    or "<distribution> <version>" for an entry point.
+    """
 
     name: str = ""
     description: str = ""
     origin: str = "built-in"
+    idempotent: bool = True
+    after: str | None = None
 
     def applies(self, ctx: Context) -> bool:
         return True
@@ -64,15 +101,69 @@ class Pass:
     def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
         raise NotImplementedError
 
+    def map_feeds(self, feeds: dict[str, np.ndarray], ctx: Context) -> dict[str, np.ndarray]:
+        """Inputs for the graph before this pass -> inputs for the graph after it (default: same)."""
+        return feeds
+
+    def map_outputs(self, outputs: dict[str, np.ndarray], ctx: Context) -> dict[str, np.ndarray]:
+        """Expected outputs before this pass -> expected outputs after it (default: same)."""
+        return outputs
+
 
 REGISTRY: dict[str, type[Pass]] = {}
+
+_sink: dict[str, type[Pass]] | None = None  # set while a plugin is being loaded
+_origin = "built-in"
 
 
 def register(cls: type[Pass]) -> type[Pass]:
     """Class decorator adding a pass to the registry (name must be unique and kebab-case)."""
-    if not NAME_RE.match(cls.name or ""):
-        raise ValueError(f"pass name '{cls.name}' is not kebab-case")
-    if cls.name in REGISTRY and REGISTRY[cls.name] is not cls:
-        raise ValueError(f"pass name '{cls.name}' is already registered")
-    REGISTRY[cls.name] = cls
+    where = f"{_origin} ({cls.__module__}.{cls.__qualname__})"
+    if not (isinstance(cls, type) and issubclass(cls, Pass)):
+        raise PassError(f"{where}: @register needs a subclass of mtkc.pass_api.Pass")
+    if not isinstance(cls.name, str) or not NAME_RE.match(cls.name):
+        raise PassError(f"{where}: pass name {cls.name!r} is not kebab-case")
+    target = REGISTRY if _sink is None else _sink
+    other = target.get(cls.name) or REGISTRY.get(cls.name)
+    if other is not None and other is not cls:
+        raise PassError(f"pass name '{cls.name}' is registered twice: by {describe(other)} and by {where}")
+    cls.origin = _origin
+    target[cls.name] = cls
     return cls
+
+
+def describe(cls: type[Pass]) -> str:
+    """Origin and defining class of a registered pass, for messages."""
+    return f"{cls.origin} ({cls.__module__}.{cls.__qualname__})"
+
+
+@contextmanager
+def collecting(origin: str) -> Iterator[dict[str, type[Pass]]]:
+    """Route `@register` into a fresh dict tagged with `origin` (used to load one plugin)."""
+    global _sink, _origin
+    saved = _sink, _origin
+    _sink, _origin = {}, origin
+    try:
+        yield _sink
+    finally:
+        _sink, _origin = saved
+
+
+class NodeNames:
+    """Hands out node names not yet used in a graph: `base`, then `base/1`, `base/2`, ..."""
+
+    def __init__(self, graph: gs.Graph):
+        self.used = {node.name for node in graph.nodes}
+
+    def new(self, base: str) -> str:
+        name, k = base, 0
+        while name in self.used:
+            k += 1
+            name = f"{base}/{k}"
+        self.used.add(name)
+        return name
+
+
+def unique_name(graph: gs.Graph, base: str) -> str:
+    """A node name not used in `graph` (one scan; use `NodeNames` when naming many nodes)."""
+    return NodeNames(graph).new(base)

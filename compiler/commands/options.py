@@ -12,9 +12,9 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-q", "--quiet", action="count", default=0, help="fewer messages on stderr")
 
 
-def add_target(parser: argparse.ArgumentParser) -> None:
+def add_target(parser: argparse.ArgumentParser, required: bool = True) -> None:
     group = parser.add_argument_group("target")
-    group.add_argument("--sdk", required=True, help="NeuroPilot SDK version (see `mtkc sdks`)")
+    group.add_argument("--sdk", required=required, help="NeuroPilot SDK version (see `mtkc sdks`)")
     group.add_argument("--arch", help="MDLA arch; default: the SDK table's default")
 
 
@@ -43,3 +43,25 @@ def parse_input_shapes(items: list[str]) -> dict[str, tuple[int, ...]]:
         except ValueError:
             raise InputError(f"--input-shape '{item}': expected NAME=D0,D1,... with integer dims") from None
     return shapes
+
+
+def add_pipeline(parser: argparse.ArgumentParser) -> None:
+    """Pass selection, plugins and the config file (see `mtkc passes`)."""
+    group = parser.add_argument_group("passes")
+    group.add_argument("--passes", metavar="A,B,...", help="run exactly these passes, in this order")
+    group.add_argument("--skip-pass", action="append", default=[], metavar="PASS", help="drop a pass (repeatable)")
+    group.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="FILE.py|MODULE|NAME",
+        help="load a plugin file or module, or enable an installed plugin pass (repeatable)",
+    )
+    group.add_argument("--config", metavar="FILE", help="mtkc.toml or pyproject.toml ([tool.mtkc]); default: ./mtkc.toml")
+
+
+def split_names(text: str | None) -> list[str] | None:
+    """'a, b,c' -> ['a', 'b', 'c']; None stays None."""
+    if text is None:
+        return None
+    return [name.strip() for name in text.split(",") if name.strip()]

@@ -1,0 +1,67 @@
+"""`mtkc compile MODEL --sdk VER -o OUT`: rewrite the whole graph for an SDK and write it."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from mtkc.commands.options import add_common, add_pipeline, add_shapes, add_target
+from mtkc.errors import InputError
+
+log = logging.getLogger("mtkc")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "compile",
+        help="rewrite a model for an SDK and write OUT/ (graph, weights, manifest)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", help="model.onnx (external data beside it)")
+    p.add_argument("-o", "--output", required=True, metavar="OUT", help="output folder (written atomically)")
+    add_target(p, required=False)
+    add_shapes(p)
+    add_pipeline(p)
+    p.add_argument("--verify-each", action="store_true", help="run onnxruntime after every changing pass; name the first that changes the numbers")
+    p.add_argument("--explain", metavar="PASS", help="print the sites PASS looked at and refused, with the reason")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    add_common(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from mtkc.compile import compile_model
+    from mtkc.config import from_args
+    from mtkc.pass_manager import load_registry
+
+    options = from_args(args)
+    sdk = options.pop("sdk")
+    if not sdk:
+        raise InputError("--sdk is required (or set sdk in mtkc.toml)")
+    options["overwrite"] = args.overwrite
+    if args.explain:
+        load_registry(options["plugins"]).get(args.explain)  # unknown -> InputError, before any work
+    result = compile_model(args.model, sdk, args.output, options)
+    if args.explain:
+        print(explain(result, args.explain))
+    graph = result.variants[0].graph
+    log.info(
+        "mtkc: wrote %s (%s, %d nodes; %d passes, %d rewrites)",
+        args.output, ", ".join(g["path"] for g in result.manifest["graphs"]), len(graph.nodes),
+        len(result.records), sum(r.rewrites for r in result.records),
+    )
+    return 0
+
+
+def explain(result, name: str) -> str:
+    """The misses of pass `name`: one line per refused site with its first failing condition."""
+    records = [r for r in result.records if r.name == name]
+    if not records:
+        why = next((s["reason"] for s in result.report["skipped"] if s["name"] == name), "not in the pipeline")
+        return f"{name}: did not run ({why})"
+    lines = []
+    for r in records:
+        lines.append(f"{name}: {r.rewrites} rewrites, {len(r.misses)} misses")
+        lines += [f"  {m.node}: {m.reason}" for m in r.misses]
+    return "\n".join(lines)

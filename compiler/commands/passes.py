@@ -1,0 +1,76 @@
+"""`mtkc passes [--sdk VER]`: every known pass, where it comes from, and whether it runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from mtkc.commands.options import add_common, add_pipeline
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "passes",
+        help="list the rewrite passes (built-in, installed, plugins)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--sdk", help="say which passes apply to this SDK and are in its default pipeline")
+    p.add_argument("--arch", help="MDLA arch; default: the SDK table's default")
+    add_pipeline(p)
+    p.add_argument("--format", choices=["text", "json"], default="text")
+    add_common(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from mtkc.config import from_args
+
+    options = from_args(args)
+    sdk = options.pop("sdk")
+    rows, pipeline = list_passes(sdk, options)
+    if args.format == "json":
+        print(json.dumps({"schema_version": 1, "sdk": sdk, "pipeline": pipeline, "passes": rows}, sort_keys=True, indent=2))
+        return 0
+    print(_table(rows))
+    if pipeline is not None:
+        print(f"\npipeline: {' -> '.join(pipeline) or '(empty)'}")
+    return 0
+
+
+def list_passes(sdk: str | None, options: dict) -> tuple[list[dict], list[str] | None]:
+    """One row per pass: name, origin, description, applies (None without an SDK), default."""
+    from mtkc.pass_api import Context
+    from mtkc.pass_manager import guarded, load_registry, resolve_pipeline
+    from mtkc.passes.pipelines import default_pipeline
+
+    registry = load_registry(options.get("plugins") or [])
+    ctx = pipeline = None
+    if sdk:
+        from mtkc.capability import load_table
+
+        ctx = Context(load_table(sdk, options.get("arch")), options)
+        pipeline = resolve_pipeline(registry, ctx, options.get("passes"), options.get("skip_passes") or []).names
+    defaults = set(default_pipeline(sdk)) | set(registry.enabled)
+    rows = []
+    for name in sorted(registry.names()):
+        cls = registry.get(name)
+        rows.append({
+            "name": name,
+            "origin": cls.origin,
+            "description": cls.description,
+            "applies": None if ctx is None else bool(guarded(cls, "applies", lambda: cls().applies(ctx))),
+            "default": name in (pipeline if pipeline is not None else defaults),
+        })
+    return rows, pipeline
+
+
+def _table(rows: list[dict]) -> str:
+    header = ("pass", "origin", "applies", "default", "description")
+    cells = [header] + [
+        (r["name"], r["origin"], "-" if r["applies"] is None else "yes" if r["applies"] else "no",
+         "yes" if r["default"] else "no", r["description"])
+        for r in rows
+    ]
+    widths = [max(len(c[i]) for c in cells) for i in range(4)]
+    return "\n".join("  ".join(c[i].ljust(widths[i]) for i in range(4)) + "  " + c[4] for c in cells).rstrip()

@@ -1,0 +1,291 @@
+"""`compile_model`: load, run the pass pipeline, write the rewritten graph(s) and the manifest.
+
+    load ─► Context(table, options) ─► pipeline (pass manager) ─► variants ─► partitions ─► write
+
+Stages after the pipeline are hooks so later work plugs in without touching the rest:
+`_variants` turns the rewritten graph into the graphs to write (`model`; a KV-cache model
+gives `prefill`/`decode`), `_partitions` splits one graph into NPU/CPU pieces (none yet).
+Output is staged in a sibling temp folder and renamed into place; an existing OUT is only
+replaced with `overwrite`. Same input + options -> byte-identical model, weights, manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx
+import onnx_graphsurgeon as gs
+
+from mtkc import __version__, manifest
+from mtkc.errors import InputError
+from mtkc.model import Model, load
+from mtkc.pass_api import Context
+from mtkc.pass_manager import Pipeline, PassRecord, load_registry, resolve_pipeline, run_pipeline
+
+# Compile options (keys of `options`; all optional). Those that shape the output go in the manifest.
+OUTPUT_OPTIONS = ("arch", "seq_len", "cache_len", "batch", "input_shapes", "passes", "skip_passes", "plugins")
+RUN_OPTIONS = ("verify_each", "overwrite")
+
+
+@dataclass
+class GraphVariant:
+    """One graph to write (`model`, or `prefill`/`decode`), and its partitions."""
+
+    name: str
+    graph: gs.Graph
+    partitions: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Compiled:
+    """The in-memory result of the pipeline (what `mtkc check` needs, nothing written)."""
+
+    model: Model
+    ctx: Context
+    pipeline: Pipeline
+    records: list[PassRecord]
+    coverage: dict[str, Any]
+
+
+@dataclass
+class CompileResult:
+    out_dir: Path
+    manifest: dict[str, Any]
+    report: dict[str, Any]
+    records: list[PassRecord]
+    variants: list[GraphVariant]
+
+
+def normalise(options: dict[str, Any] | None) -> dict[str, Any]:
+    """Every known option key present (None when not given); unknown keys -> InputError."""
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(OUTPUT_OPTIONS) - set(RUN_OPTIONS))
+    if unknown:
+        raise InputError(f"unknown compile option '{unknown[0]}'; known: {', '.join(OUTPUT_OPTIONS + RUN_OPTIONS)}")
+    for key in OUTPUT_OPTIONS + RUN_OPTIONS:
+        options.setdefault(key, None)
+    options["skip_passes"] = list(options["skip_passes"] or [])
+    options["plugins"] = list(options["plugins"] or [])
+    options["input_shapes"] = {k: list(v) for k, v in sorted((options["input_shapes"] or {}).items())}
+    return options
+
+
+def compile_graph(model: Model, sdk: str, options: dict[str, Any], table=None) -> Compiled:
+    """Run the pipeline on `model.graph` in place; nothing is written."""
+    options = normalise(options)
+    if table is None:
+        from mtkc.capability import load_table
+
+        table = load_table(sdk, options["arch"])
+    ctx = Context(table, options, model.root, model.values)
+    registry = load_registry(options["plugins"])
+    pipeline = resolve_pipeline(registry, ctx, options["passes"], options["skip_passes"])
+    raw = coverage(model.graph, table)
+    records = run_pipeline(model.graph, pipeline, ctx, verify_each=bool(options["verify_each"]))
+    return Compiled(model, ctx, pipeline, records, {"raw": raw, "compiled": coverage(model.graph, table)})
+
+
+def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.PathLike, options: dict[str, Any] | None = None, table=None) -> CompileResult:
+    """Compile `model_path` for `sdk` into `out_dir` (see the module docstring)."""
+    options = normalise(options)
+    out = Path(out_dir)
+    model = load(model_path)
+    _check_out(out, model, bool(options["overwrite"]))
+    compiled = compile_graph(model, sdk, options, table)
+    variants = _variants(model.graph, compiled.ctx)
+    for variant in variants:
+        variant.partitions = _partitions(variant, compiled.ctx)
+    data = manifest.build(
+        sdk=str(compiled.ctx.table.version),
+        arch=getattr(compiled.ctx.table, "arch", None) or options["arch"],
+        options={k: options[k] for k in OUTPUT_OPTIONS},
+        graphs=[manifest.graph_entry(v.name, f"{v.name}.onnx", v.graph, v.partitions) for v in variants],
+        coverage=compiled.coverage,
+        passes=[r.stats() for r in compiled.records],
+    )
+    report = _report(model, compiled)
+    _write(out, variants, data, report, model.root, bool(options["overwrite"]))
+    return CompileResult(out, data, report, compiled.records, variants)
+
+
+def coverage(graph: gs.Graph, table) -> float | None:
+    """Fraction of nodes the table supports (None when the table gives no verdicts)."""
+    verdict = getattr(table, "verdict", None)
+    if verdict is None:
+        return None
+    if not graph.nodes:
+        return 1.0
+    return round(sum(1 for n in graph.nodes if verdict(n).supported) / len(graph.nodes), 6)
+
+
+def _variants(graph: gs.Graph, ctx: Context) -> list[GraphVariant]:
+    """The graphs to write. Hook: a KV-cache model becomes prefill + decode here."""
+    return [GraphVariant("model", graph)]
+
+
+def _partitions(variant: GraphVariant, ctx: Context) -> list[dict]:
+    """Hook: NPU/CPU partitions of one graph, in execution order (manifest `partitions`)."""
+    return []
+
+
+def _report(model: Model, compiled: Compiled) -> dict[str, Any]:
+    """report.json: the manifest's facts plus what is only diagnostic (timings, misses, versions)."""
+    import importlib.metadata as md
+
+    versions = {"mtkc": __version__}
+    for dist in ("onnx", "onnxruntime", "onnx-graphsurgeon", "numpy", "protobuf"):
+        try:
+            versions[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            versions[dist] = None
+    return {
+        "schema_version": manifest.SCHEMA_VERSION,
+        "input": {"file": model.path.name, "sha256": _sha256(model.path)},
+        "versions": versions,
+        "pipeline": compiled.pipeline.names,
+        "skipped": [{"name": n, "reason": r} for n, r in compiled.pipeline.skipped],
+        "passes": [
+            {**r.stats(), "origin": r.origin, "seconds": round(r.seconds, 3),
+             "misses": [{"node": m.node, "reason": m.reason} for m in r.misses], "notes": r.notes}
+            for r in compiled.records
+        ],
+        "coverage": compiled.coverage,
+    }
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# --- output ---------------------------------------------------------------------------------
+
+
+def _check_out(out: Path, model: Model, overwrite: bool) -> None:
+    """OUT must not contain or be the input's folder/files; existing OUT needs `overwrite`."""
+    target = out.resolve()
+    inputs = [model.path.resolve(), model.root] + _external_files(model)
+    for item in inputs:
+        if target == item or target in item.parents:
+            raise InputError(f"{out}: output folder overlaps the input model ({item.name}); choose another -o")
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise InputError(f"{out}: exists and is not a folder")
+    if out.exists() and not overwrite:
+        raise InputError(f"{out}: exists; pass --overwrite to replace it")
+
+
+def _external_files(model: Model) -> list[Path]:
+    from mtkc.model import external_info
+
+    files = set()
+    for t in model.graph.tensors().values():
+        lazy = getattr(t, "_values", None)
+        if isinstance(lazy, gs.ir.tensor.LazyValues):
+            info = external_info(lazy.tensor)
+            if info:
+                files.add((model.root / info["location"]).resolve())
+    return sorted(files)
+
+
+def _write(out: Path, variants: list[GraphVariant], data: dict, report: dict, root: Path, overwrite: bool) -> None:
+    """Stage every file in a sibling temp folder, then move it into place."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.mtkc-", dir=out.parent))
+    try:
+        for variant in variants:
+            save_graph(variant.graph, stage / f"{variant.name}.onnx", root)
+        _write_text(stage / "report.json", json.dumps(report, sort_keys=True, indent=2) + "\n")
+        _write_text(stage / "manifest.json", manifest.dumps(data))
+        if out.exists():
+            if not overwrite:
+                raise InputError(f"{out}: exists; pass --overwrite to replace it")
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / out.name)
+            os.replace(stage, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(stage, out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# Minimal private weight writer until `mtkc.weights` (helper M) lands: tensors >= 1 KiB go to
+# `<stem>.data` (64-byte aligned, in initializer order), copied one at a time from the source.
+EXTERNAL_MIN_BYTES = 1024
+ALIGN = 64
+
+
+def save_graph(graph: gs.Graph, path: Path, root: Path) -> None:
+    """Write `graph` to `path` with its large weights in `<stem>.data` beside it."""
+    proto = gs.export_onnx(graph, do_type_check=False)
+    data_name = f"{path.stem}.data"
+    offset = 0
+    with open(path.parent / data_name, "wb") as data:
+        for tensor in proto.graph.initializer:
+            blob = _tensor_bytes(tensor, root)
+            if blob is None or len(blob) < EXTERNAL_MIN_BYTES:
+                if blob is not None and tensor.data_location == onnx.TensorProto.EXTERNAL:
+                    _inline(tensor, blob)
+                continue
+            pad = -offset % ALIGN
+            data.write(b"\0" * pad)
+            offset += pad
+            data.write(blob)
+            _externalise(tensor, data_name, offset, len(blob))
+            offset += len(blob)
+        data.flush()
+        os.fsync(data.fileno())
+    if offset == 0:
+        (path.parent / data_name).unlink()
+    with open(path, "wb") as f:
+        f.write(proto.SerializeToString(deterministic=True))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _tensor_bytes(tensor: onnx.TensorProto, root: Path) -> bytes | None:
+    """Raw little-endian bytes of an initializer (external data read from `root`)."""
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        info = {e.key: e.value for e in tensor.external_data}
+        with open(root / info["location"], "rb") as f:
+            f.seek(int(info.get("offset", 0)))
+            return f.read(int(info["length"])) if "length" in info else f.read()
+    if tensor.HasField("raw_data"):
+        return tensor.raw_data
+    if tensor.data_type == onnx.TensorProto.STRING:
+        return None
+    return onnx.numpy_helper.to_array(tensor).tobytes()
+
+
+def _externalise(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    dims, name, dtype = list(tensor.dims), tensor.name, tensor.data_type
+    tensor.Clear()
+    tensor.name, tensor.data_type = name, dtype
+    tensor.dims.extend(dims)
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+
+
+def _inline(tensor: onnx.TensorProto, blob: bytes) -> None:
+    del tensor.external_data[:]
+    tensor.data_location = onnx.TensorProto.DEFAULT
+    tensor.raw_data = blob

@@ -1,0 +1,152 @@
+"""Graph invariants the pass manager restores and checks after every pass.
+
+Restored: dead nodes removed (`cleanup`), nodes in topological order, every node named and
+names unique (an unnamed or duplicate-named node becomes `<pass>/<its op or old name>`).
+Checked (a violation names the pass and the tensor/node):
+  - acyclic;
+  - no dangling tensor: every node input and graph output is a constant, a graph input,
+    or the output of a node in the graph;
+  - tensor names unique;
+  - once shapes are bound (every graph input static), no pass leaves a tensor it created or
+    changed without a dtype or with a non-static shape.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from numbers import Integral
+
+import onnx_graphsurgeon as gs
+
+from mtkc.errors import MtkcError, PassError
+from mtkc.pass_api import NodeNames
+
+
+def restore(graph: gs.Graph, pass_name: str | None = None, error: type[MtkcError] = PassError) -> None:
+    """Cleanup, cycle check, toposort and node naming after a pass (None: the input model)."""
+    graph.cleanup()
+    _check_acyclic(graph, _stage(pass_name), error)
+    graph.toposort()
+    name_nodes(graph, pass_name)
+
+
+def name_nodes(graph: gs.Graph, prefix: str | None) -> int:
+    """Give unnamed/duplicate-named nodes `<prefix>/<old name or op>`; returns how many."""
+    names = NodeNames(graph)
+    seen: set[str] = set()
+    renamed = 0
+    for node in graph.nodes:
+        if not node.name or node.name in seen:
+            base = node.name or node.op
+            node.name = names.new(f"{prefix}/{base}" if prefix else base)
+            renamed += 1
+        seen.add(node.name)
+    return renamed
+
+
+def shapes_bound(graph: gs.Graph) -> bool:
+    return all(_static(t) for t in graph.inputs)
+
+
+def loose_tensors(graph: gs.Graph) -> set[str]:
+    """Names of variables without a dtype, or (once shapes are bound) without a static shape."""
+    bound = shapes_bound(graph)
+    return {
+        t.name
+        for t in _variables(graph)
+        if t.dtype is None or (bound and not _static(t))
+    }
+
+
+def check(
+    graph: gs.Graph,
+    pass_name: str | None = None,
+    loose_before: set[str] | None = None,
+    error: type[MtkcError] = PassError,
+) -> None:
+    """Raise `error` naming the pass and the culprit when an invariant does not hold."""
+    stage = _stage(pass_name)
+    in_graph = {id(n) for n in graph.nodes}
+    graph_inputs = {id(t) for t in graph.inputs}
+
+    def produced(t: gs.Tensor) -> bool:
+        return (
+            isinstance(t, gs.Constant)
+            or not t.name  # an omitted optional input
+            or id(t) in graph_inputs
+            or (len(t.inputs) > 0 and id(t.inputs[0]) in in_graph)
+        )
+
+    for node in graph.nodes:
+        for t in node.inputs:
+            if not produced(t):
+                raise error(f"{stage}: node '{node.name}' reads tensor '{t.name}', which no node, input or constant produces")
+    for t in graph.outputs:
+        if not produced(t):
+            raise error(f"{stage}: graph output '{t.name}' is not produced by any node")
+
+    by_name: dict[str, gs.Tensor] = {}
+    for t in _tensors(graph):
+        if t.name and by_name.setdefault(t.name, t) is not t:
+            raise error(f"{stage}: two different tensors are named '{t.name}'")
+
+    if loose_before is not None and shapes_bound(graph):
+        for t in _variables(graph):
+            if t.name in loose_before:
+                continue
+            if t.dtype is None:
+                raise error(f"{stage}: tensor '{t.name}' has no dtype")
+            if not _static(t):
+                raise error(f"{stage}: tensor '{t.name}' has no static shape ({_shape_text(t)}) after shapes were bound")
+
+
+def _stage(pass_name: str | None) -> str:
+    return f"pass '{pass_name}'" if pass_name else "input model"
+
+
+def _check_acyclic(graph: gs.Graph, stage: str, error: type[MtkcError]) -> None:
+    """Kahn's algorithm over the nodes; names a node on a cycle."""
+    index = {id(n): i for i, n in enumerate(graph.nodes)}
+    indegree = [0] * len(graph.nodes)
+    consumers: list[list[int]] = [[] for _ in graph.nodes]
+    for i, node in enumerate(graph.nodes):
+        for t in node.inputs:
+            if t.inputs and id(t.inputs[0]) in index:
+                consumers[index[id(t.inputs[0])]].append(i)
+                indegree[i] += 1
+    ready = deque(i for i, d in enumerate(indegree) if d == 0)
+    done = 0
+    while ready:
+        i = ready.popleft()
+        done += 1
+        for j in consumers[i]:
+            indegree[j] -= 1
+            if indegree[j] == 0:
+                ready.append(j)
+    if done < len(graph.nodes):
+        stuck = next(graph.nodes[i] for i, d in enumerate(indegree) if d > 0)
+        raise error(f"{stage}: the graph has a cycle through node '{stuck.name or stuck.op}'")
+
+
+def _tensors(graph: gs.Graph):
+    yield from graph.inputs
+    for node in graph.nodes:
+        yield from node.inputs
+        yield from node.outputs
+    yield from graph.outputs
+
+
+def _variables(graph: gs.Graph):
+    seen: set[int] = set()
+    for t in _tensors(graph):
+        if isinstance(t, gs.Variable) and t.name and id(t) not in seen:
+            seen.add(id(t))
+            yield t
+
+
+def _static(t: gs.Tensor) -> bool:
+    return t.shape is not None and all(isinstance(d, Integral) and d >= 0 for d in t.shape)
+
+
+def _shape_text(t: gs.Tensor) -> str:
+    return "unknown" if t.shape is None else "[" + ",".join(str(d) for d in t.shape) + "]"

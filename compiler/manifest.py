@@ -1,0 +1,69 @@
+"""`OUT/manifest.json`: what `mtkc compile` wrote and how the pieces connect (DESIGN.md).
+
+    {"schema_version", "sdk", "arch", "options",
+     "graphs": [{"name", "path", "inputs": [{"name", "dtype", "shape"}], "outputs", "partitions"}],
+     "coverage", "passes": [{"name", "rewrites", "nodes_before", "nodes_after"}]}
+
+Deterministic by construction: keys sorted, paths relative to OUT, no timestamps and no
+timings (per-pass seconds go to report.json), so the same input and options give the same
+bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+SCHEMA_VERSION = 1
+
+
+def tensor_spec(t: gs.Tensor) -> dict[str, Any]:
+    """{"name", "dtype", "shape"}: dtype as a numpy name, symbolic dims as strings."""
+    dtype = None if t.dtype is None else np.dtype(t.dtype).name if _is_numpy(t.dtype) else str(t.dtype)
+    shape = None if t.shape is None else [int(d) if isinstance(d, (int, np.integer)) else (None if d is None else str(d)) for d in t.shape]
+    return {"name": t.name, "dtype": dtype, "shape": shape}
+
+
+def graph_entry(name: str, path: str, graph: gs.Graph, partitions: list[dict] | None = None) -> dict[str, Any]:
+    return {
+        "name": name,
+        "path": path,
+        "inputs": [tensor_spec(t) for t in graph.inputs],
+        "outputs": [tensor_spec(t) for t in graph.outputs],
+        "partitions": list(partitions or []),
+    }
+
+
+def build(
+    sdk: str,
+    arch: str | None,
+    options: dict[str, Any],
+    graphs: list[dict[str, Any]],
+    coverage: dict[str, Any],
+    passes: list[dict[str, Any]],
+) -> dict[str, Any]:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "sdk": sdk,
+        "arch": arch,
+        "options": options,
+        "graphs": graphs,
+        "coverage": coverage,
+        "passes": passes,
+    }
+
+
+def dumps(data: dict[str, Any]) -> str:
+    """Canonical JSON text (sorted keys, 2-space indent, trailing newline)."""
+    return json.dumps(data, sort_keys=True, indent=2, ensure_ascii=False) + "\n"
+
+
+def _is_numpy(dtype: Any) -> bool:
+    try:
+        np.dtype(dtype)
+        return True
+    except TypeError:
+        return False

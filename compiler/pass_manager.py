@@ -1,0 +1,366 @@
+"""The pass manager: which passes exist, which run, in what order, and what each one did.
+
+Registry:  built-ins (every module of `mtkc.passes`, imported in name order), third-party
+           passes from the `mtkc.passes` entry-point group (listed always, run only when
+           enabled by `--plugin NAME`, config `plugins`, or named in `--passes`), and
+           `--plugin FILE.py|module` (its `@register`ed passes run by default).
+Pipeline:  `--passes` (exact list) or the SDK's default list plus enabled plugin passes,
+           minus `--skip-pass`; passes whose `applies(ctx)` is false are skipped and reported.
+Running:   after each pass the graph invariants are restored and checked (`mtkc.invariants`);
+           per-pass stats are kept; `--verify-each` runs the graph in onnxruntime after every
+           pass that changed it and names the first one that changed the numbers.
+A plugin that fails to import, registers a bad name, or raises is a PassError naming it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import importlib.util
+import logging
+import pkgutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from mtkc import invariants
+from mtkc.errors import InputError, MismatchError, MtkcError, PassError
+from mtkc.pass_api import REGISTRY, Context, Miss, Pass, PassResult, collecting, describe
+
+log = logging.getLogger("mtkc.passes")
+
+ENTRY_POINT_GROUP = "mtkc.passes"
+ATOL, RTOL = 1e-5, 1e-4  # fp32 tolerances of --verify-each (onnxruntime's provider checks)
+
+
+# --- registry -------------------------------------------------------------------------------
+
+
+@dataclass
+class Registry:
+    """Every known pass by name; `enabled` are plugin passes that join the default pipeline."""
+
+    passes: dict[str, type[Pass]]
+    entry_points: dict[str, importlib.metadata.EntryPoint] = field(default_factory=dict)
+    enabled: list[str] = field(default_factory=list)
+
+    def names(self) -> list[str]:
+        return list(self.passes) + [n for n in self.entry_points if n not in self.passes]
+
+    def get(self, name: str) -> type[Pass]:
+        if name not in self.passes:
+            if name not in self.entry_points:
+                raise InputError(f"unknown pass '{name}'; available: {', '.join(sorted(self.names()))}")
+            self.passes[name] = _load_entry_point(self.entry_points[name])
+        return self.passes[name]
+
+
+def load_registry(plugins: list[str] | tuple[str, ...] = ()) -> Registry:
+    """Built-ins, discovered entry points, and the given plugins (files or modules or EP names)."""
+    passes = dict(builtin_passes())
+    eps = {}
+    for ep in _entry_points():
+        if ep.name in passes:
+            raise PassError(
+                f"pass name '{ep.name}' is registered twice: by {describe(passes[ep.name])} and by {_ep_origin(ep)}"
+            )
+        eps[ep.name] = ep
+    registry = Registry(passes, eps)
+    for spec in plugins:
+        if spec in eps and not spec.endswith(".py"):
+            registry.get(spec)
+            registry.enabled.append(spec)
+            continue
+        for name, cls in load_plugin(spec).items():
+            other = passes.get(name) or (eps[name] if name in eps else None)
+            if other is not None and other is not cls:
+                first = describe(other) if isinstance(other, type) else _ep_origin(other)
+                raise PassError(f"pass name '{name}' is registered twice: by {first} and by {describe(cls)}")
+            passes[name] = cls
+            if name not in registry.enabled:
+                registry.enabled.append(name)
+    return registry
+
+
+@functools.cache
+def builtin_passes() -> dict[str, type[Pass]]:
+    """Import every module of `mtkc.passes` (name order); returns the built-in registry."""
+    import mtkc.passes
+
+    for info in sorted(pkgutil.iter_modules(mtkc.passes.__path__), key=lambda m: m.name):
+        if info.name == "pipelines":
+            continue
+        module = f"mtkc.passes.{info.name}"
+        try:
+            importlib.import_module(module)
+        except MtkcError:
+            raise
+        except Exception as exc:
+            raise PassError(f"built-in pass module {module} failed to import: {_one_line(exc)}") from None
+    return dict(REGISTRY)
+
+
+@functools.cache
+def load_plugin(spec: str) -> dict[str, type[Pass]]:
+    """Import a plugin file (`x.py`) or module once; returns the passes it registered."""
+    is_file = spec.endswith(".py") or Path(spec).is_file()
+    origin = f"plugin {spec}"
+    with collecting(origin) as found:
+        try:
+            if is_file:
+                path = Path(spec)
+                if not path.is_file():
+                    raise PassError(f"{origin}: no such file")
+                module_name = f"mtkc_plugin_{path.stem}"
+                loader_spec = importlib.util.spec_from_file_location(module_name, path)
+                module = importlib.util.module_from_spec(loader_spec)
+                sys.modules[module_name] = module
+                loader_spec.loader.exec_module(module)
+            else:
+                importlib.import_module(spec)
+        except MtkcError:
+            raise
+        except Exception as exc:
+            raise PassError(f"{origin} failed to import: {_one_line(exc)}") from None
+    if not found:
+        raise PassError(f"{origin} registers no pass (decorate a Pass subclass with @mtkc.pass_api.register)")
+    return dict(found)
+
+
+@functools.cache
+def _entry_points() -> tuple[importlib.metadata.EntryPoint, ...]:
+    return tuple(sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name))
+
+
+def _ep_origin(ep: importlib.metadata.EntryPoint) -> str:
+    dist = ep.dist
+    return f"{dist.name} {dist.version}" if dist is not None else f"entry point {ep.value}"
+
+
+def _load_entry_point(ep: importlib.metadata.EntryPoint) -> type[Pass]:
+    origin = _ep_origin(ep)
+    with collecting(origin):
+        try:
+            cls = ep.load()
+        except MtkcError:
+            raise
+        except Exception as exc:
+            raise PassError(f"pass '{ep.name}' ({origin}) failed to load: {_one_line(exc)}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Pass)) or cls.name != ep.name:
+        raise PassError(f"entry point '{ep.name}' ({origin}) must name a Pass subclass whose name is '{ep.name}'")
+    cls.origin = origin
+    return cls
+
+
+# --- pipeline -------------------------------------------------------------------------------
+
+
+@dataclass
+class Pipeline:
+    passes: list[Pass]
+    skipped: list[tuple[str, str]]  # (name, why) for passes not run
+
+    @property
+    def names(self) -> list[str]:
+        return [p.name for p in self.passes]
+
+
+def resolve_pipeline(
+    registry: Registry,
+    ctx: Context,
+    passes: list[str] | None = None,
+    skip: list[str] | tuple[str, ...] = (),
+) -> Pipeline:
+    """The passes to run: `passes` exactly, or the SDK default plus enabled plugins; minus `skip`."""
+    from mtkc.passes.pipelines import default_pipeline
+
+    for name in [*(passes or []), *skip]:
+        registry.get(name)  # unknown -> InputError listing the available passes
+    skipped: list[tuple[str, str]] = []
+    if passes is not None:
+        names = list(passes)
+    else:
+        names = []
+        for name in default_pipeline(ctx.sdk):
+            if name in registry.passes:
+                names.append(name)
+            else:
+                log.debug("pipeline: '%s' is not registered yet; skipped", name)
+        for name in registry.enabled:
+            after = registry.get(name).after
+            if name in names:
+                continue
+            names.insert(names.index(after) + 1 if after in names else len(names), name)
+    chosen: list[Pass] = []
+    for name in names:
+        if name in skip:
+            skipped.append((name, "--skip-pass"))
+            continue
+        instance = guarded(registry.get(name), "create", registry.get(name))
+        if not guarded(instance, "applies", instance.applies, ctx):
+            skipped.append((name, f"does not apply to SDK {ctx.sdk}"))
+            continue
+        chosen.append(instance)
+    return Pipeline(chosen, skipped)
+
+
+# --- running --------------------------------------------------------------------------------
+
+
+@dataclass
+class PassRecord:
+    """What one pass did: the manifest's `passes[]` entry plus misses/notes for reports."""
+
+    name: str
+    origin: str
+    rewrites: int
+    nodes_before: int
+    nodes_after: int
+    seconds: float
+    misses: list[Miss] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def stats(self) -> dict:
+        return {
+            "name": self.name,
+            "rewrites": self.rewrites,
+            "nodes_before": self.nodes_before,
+            "nodes_after": self.nodes_after,
+        }
+
+
+def run_pipeline(
+    graph: gs.Graph,
+    pipeline: Pipeline,
+    ctx: Context,
+    verify_each: bool = False,
+    seed: int = 0,
+) -> list[PassRecord]:
+    """Run the passes in place on `graph`; restore/check invariants after each; return stats."""
+    invariants.restore(graph, None, InputError)
+    invariants.check(graph, None, error=InputError)
+    verifier = EachVerifier(graph, ctx, seed) if verify_each else None
+    records = []
+    for p in pipeline.passes:
+        nodes_before = len(graph.nodes)
+        loose = invariants.loose_tensors(graph)
+        start = time.perf_counter()
+        result = guarded(p, "run", p.run, graph, ctx)
+        if not isinstance(result, PassResult):
+            raise PassError(f"pass '{p.name}' ({p.origin}) returned {type(result).__name__}, not a PassResult")
+        invariants.restore(graph, p.name)
+        invariants.check(graph, p.name, loose)
+        record = PassRecord(
+            p.name, p.origin, result.rewrites, nodes_before, len(graph.nodes),
+            time.perf_counter() - start, list(result.misses), list(result.notes),
+        )
+        records.append(record)
+        log.debug(
+            "%-16s %4d rewrites  nodes %5d -> %5d  %.3fs%s",
+            p.name, record.rewrites, record.nodes_before, record.nodes_after, record.seconds,
+            f"  ({len(record.misses)} misses)" if record.misses else "",
+        )
+        if verifier is not None:
+            verifier.after(p, graph, result.changed)
+    return records
+
+
+def guarded(p, what: str, fn, *args):
+    """Call a pass hook; anything but an MtkcError becomes a PassError naming the pass."""
+    try:
+        return fn(*args)
+    except MtkcError:
+        raise
+    except Exception as exc:
+        name = getattr(p, "name", "?")
+        raise PassError(f"pass '{name}' ({describe(p if isinstance(p, type) else type(p))}) raised in {what}: {_one_line(exc)}") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+# --- verify-each ----------------------------------------------------------------------------
+
+
+class EachVerifier:
+    """Compare the graph after each changing pass with the input model, on seeded inputs.
+
+    The reference runs lazily at the first check, with symbolic dims resolved from the graph
+    at that point (so inputs bound by `bind-shapes` have the bound sizes). Passes that change
+    the I/O contract map feeds and expected outputs through `Pass.map_feeds`/`map_outputs`.
+    """
+
+    def __init__(self, graph: gs.Graph, ctx: Context, seed: int = 0, atol: float = ATOL, rtol: float = RTOL):
+        self.reference = gs.export_onnx(graph, do_type_check=False)
+        self.inputs = [(t.name, t.dtype, list(t.shape or [])) for t in graph.inputs]
+        self.ctx, self.seed, self.atol, self.rtol = ctx, seed, atol, rtol
+        self.pending: list[Pass] = []
+        self.feeds: dict[str, np.ndarray] | None = None
+        self.expected: dict[str, np.ndarray] | None = None
+
+    def after(self, p: Pass, graph: gs.Graph, changed: bool) -> None:
+        from mtkc import execute
+
+        self.pending.append(p)
+        if not changed:
+            return
+        if self.feeds is None:
+            self.feeds = self._seeded(graph)
+            self.expected = execute.run(self.reference, self.feeds, self.ctx.root)
+        for q in self.pending:
+            self.feeds = guarded(q, "map_feeds", q.map_feeds, self.feeds, self.ctx)
+            self.expected = guarded(q, "map_outputs", q.map_outputs, self.expected, self.ctx)
+        self.pending.clear()
+        missing = [t.name for t in graph.inputs if t.name not in self.feeds]
+        if missing:
+            raise PassError(f"pass '{p.name}' added input '{missing[0]}' but does not map feeds to it (Pass.map_feeds)")
+        try:
+            actual = execute.run(graph, {t.name: self.feeds[t.name] for t in graph.inputs}, self.ctx.root)
+        except Exception as exc:
+            raise PassError(f"pass '{p.name}': the rewritten graph does not run in onnxruntime: {_one_line(exc)}") from None
+        for name, want in self.expected.items():
+            if name not in actual:
+                raise MismatchError(f"--verify-each: pass '{p.name}' removed output '{name}' (declare Pass.map_outputs)")
+            problem = compare(actual[name], want, self.atol, self.rtol)
+            if problem:
+                raise MismatchError(f"--verify-each: pass '{p.name}' changed the numbers: output '{name}' {problem}")
+
+    def _seeded(self, graph: gs.Graph) -> dict[str, np.ndarray]:
+        """Seeded inputs for the input model; dims are taken from the graph now when bound there."""
+        from mtkc.execute import seeded_inputs
+
+        now = {t.name: t.shape for t in graph.inputs}
+        dims: dict[str, int] = {}
+        stand_ins = []
+        for name, dtype, shape in self.inputs:
+            bound = now.get(name)
+            if bound is not None and len(bound) == len(shape):
+                for d, b in zip(shape, bound):
+                    if not isinstance(d, int) and isinstance(b, (int, np.integer)):
+                        dims.setdefault(str(d), int(b))
+                shape = [int(b) if isinstance(b, (int, np.integer)) else d for d, b in zip(shape, bound)]
+            stand_ins.append(gs.Variable(name, dtype, shape))
+        return seeded_inputs(gs.Graph(inputs=stand_ins), self.seed, dims)
+
+
+def compare(actual: np.ndarray, expected: np.ndarray, atol: float, rtol: float) -> str:
+    """'' when equal within tolerance (exact for non-float), else what differs."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    if actual.shape != expected.shape:
+        return f"has shape {list(actual.shape)}, expected {list(expected.shape)}"
+    if not np.issubdtype(expected.dtype, np.floating):
+        if np.array_equal(actual, expected):
+            return ""
+        return f"differs in {int(np.sum(actual != expected))} of {expected.size} values"
+    a, e = actual.astype(np.float64), expected.astype(np.float64)
+    if np.allclose(a, e, rtol=rtol, atol=atol, equal_nan=True):
+        return ""
+    err = np.abs(a - e)
+    return f"max abs error {np.nanmax(err):.3g} (atol {atol:g}, rtol {rtol:g})"

@@ -1,0 +1,33 @@
+"""Default pass pipelines: an ordered list of pass names per SDK.
+
+Every entry is a pass name; a name whose pass is not registered is skipped (debug note), and
+a pass whose `applies(ctx)` is false for the target is skipped and reported. So the list can
+name passes before they land, and one list serves every SDK unless one needs another order.
+"""
+
+from __future__ import annotations
+
+DEFAULT = [
+    "bind-shapes",
+    "fold",
+    "cleanup",
+    "opset17",
+    "mask",
+    "rope",
+    "rmsnorm",
+    "swiglu",
+    "attention",
+    "embedding",
+    "kv-cache",
+    "int64-to-int32",
+    "rank4",
+    "legalize",
+]
+
+# SDK version -> pipeline, for targets that need another order than DEFAULT.
+BY_SDK: dict[str, list[str]] = {}
+
+
+def default_pipeline(sdk: str | None) -> list[str]:
+    """The default pipeline for `sdk` (DEFAULT unless that SDK has its own)."""
+    return list(BY_SDK.get(sdk or "", DEFAULT))
