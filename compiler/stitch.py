@@ -1,0 +1,108 @@
+"""Cut a partitioned graph into one ONNX per partition and describe how they are wired.
+
+A partition's inputs are the tensors its nodes read that another partition (or the graph) makes;
+its outputs are the tensors it makes that another partition reads or that are graph outputs
+(ORT's `MakeComputeCapability`). Boundary tensors keep their graph names, so the manifest wires
+partitions by name. Weights stay inside the partition that uses them; `save` (the shared weight
+writer) writes each weight once however many partitions or graphs use it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from mtkc.errors import PassError
+from mtkc.partition import CPU, NPU, Partition, Placement, node_inputs
+
+SaveFn = Callable[[gs.Graph, Path], None]
+
+
+def tensor_info(tensor: gs.Variable) -> dict:
+    """`{name, dtype, shape}` as the manifest spells it (ONNX dtype names, ints or dim names)."""
+    dtype = onnx.helper.tensor_dtype_to_string(onnx.helper.np_dtype_to_tensor_dtype(np.dtype(tensor.dtype)))
+    shape = None if tensor.shape is None else [d if isinstance(d, int) else str(d) for d in tensor.shape]
+    return {"name": tensor.name, "dtype": dtype.removeprefix("TensorProto."), "shape": shape}
+
+
+def boundaries(graph: gs.Graph, parts: list[Partition]) -> list[tuple[list[gs.Variable], list[gs.Variable]]]:
+    """(inputs, outputs) per partition, in first-use / production order."""
+    owner: dict[int, int] = {}
+    for k, part in enumerate(parts):
+        owner.update((id(n), k) for n in part.nodes)
+    readers: dict[int, set[int]] = {}
+    for node in graph.nodes:
+        for t in node_inputs(node):
+            readers.setdefault(id(t), set()).add(owner[id(node)])
+    graph_outputs = {id(t) for t in graph.outputs}
+    result = []
+    for k, part in enumerate(parts):
+        inputs: dict[str, gs.Variable] = {}
+        outputs: dict[str, gs.Variable] = {}
+        for node in part.nodes:
+            for t in node_inputs(node):
+                if isinstance(t, gs.Variable) and t.name and not (t.inputs and owner.get(id(t.inputs[0])) == k):
+                    inputs.setdefault(t.name, t)
+            for t in node.outputs:
+                if t.name and (id(t) in graph_outputs or readers.get(id(t), set()) - {k}):
+                    outputs.setdefault(t.name, t)
+        result.append((list(inputs.values()), list(outputs.values())))
+    return result
+
+
+def write_partitions(
+    graph: gs.Graph,
+    parts: list[Partition],
+    placements: dict[str, Placement],
+    graph_name: str,
+    save: SaveFn,
+) -> list[dict]:
+    """Save each partition as `<graph_name>.<id>.onnx`; return the manifest entries.
+
+    Flat beside the weights: onnxruntime refuses external data outside the model's folder.
+    """
+    producer = {}
+    for part in parts:
+        producer.update((id(t), part.id) for n in part.nodes for t in n.outputs)
+    entries = []
+    for part, (inputs, outputs) in zip(parts, boundaries(graph, parts)):
+        for t in inputs + outputs:
+            if t.dtype is None:
+                raise PassError(f"partition {graph_name}/{part.id}: boundary tensor '{t.name}' has no dtype")
+            if part.target == NPU and not _static(t):
+                raise PassError(f"partition {graph_name}/{part.id}: boundary tensor '{t.name}' has no static shape {t.shape}")
+        sub = gs.Graph(
+            nodes=list(part.nodes),
+            inputs=inputs,
+            outputs=outputs,
+            name=f"{graph_name}_{part.id}",
+            opset=graph.opset,
+            import_domains=graph.import_domains,
+            producer_name="mtkc",
+        )
+        path = Path(f"{graph_name}.{part.id}.onnx")
+        save(sub, path)
+        entry = {
+            "id": part.id,
+            "target": part.target,
+            "path": path.as_posix(),
+            "inputs": [{**tensor_info(t), "from": producer.get(id(t), "graph")} for t in inputs],
+            "outputs": [tensor_info(t) for t in outputs],
+            "nodes": [n.name for n in part.nodes],
+        }
+        if part.target == CPU:
+            entry["cpu_reasons"] = {n.name: _reason(placements[n.name]) for n in part.nodes}
+        entries.append(entry)
+    return entries
+
+
+def _static(t: gs.Variable) -> bool:
+    return t.shape is not None and all(isinstance(d, int) and d >= 0 for d in t.shape)
+
+
+def _reason(p: Placement) -> str:
+    return f"{p.reason}: {p.detail}" if p.detail else p.reason

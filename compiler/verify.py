@@ -1,0 +1,317 @@
+"""Check a compiled folder against the original model, numerically, in onnxruntime.
+
+For every graph in the manifest, two pipelines run on the same seeded inputs: the partitions
+wired by the manifest (what the device will run, NPU pieces included) and the whole rewritten
+graph (`graphs[].path`). Each is compared with the original model per output: max abs error,
+max rel error, cosine similarity.
+
+The compiled graph's inputs may differ from the original's (DESIGN contract). Feeds are built
+for the original first (token ids inside the vocabulary, all-ones mask, positions C..C+T-1,
+random past K/V), then mapped onto the compiled inputs:
+
+    original                       compiled
+    input_ids int64 [1,T]       -> input_ids (cast)
+    attention_mask [1,C+T] ones -> attention_mask additive float [1,1,T,C+T] (causal, 0 / MASK_MIN)
+    position_ids (or implied)   -> position_ids (cast)
+    past_key_values.i.key       -> past_key_i  (and value)
+Outputs: same name, or `present.i.key` <-> `present_key_i` (compiled may hold only the new T rows).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from mtkc.errors import InputError
+from mtkc.execute import session
+
+MASK_MIN = -1.0e4  # any large finite negative value: softmax weight exp(-1e4) == 0 in fp32/fp16
+KV_INPUT = re.compile(r"^past_(key|value)_(\d+)$")
+KV_OUTPUT = re.compile(r"^present_(key|value)_(\d+)$")
+ORIGINAL_KV = (  # spellings of layer i's cache tensors: optimum/legacy, mtkc, transformers' exporter
+    "{io}.{i}.{kind}",
+    "{io}_key_values.{i}.{kind}",
+    "{io}_{kind}_{i}",
+    "{hf}.cache.layers.{i}.{kind}s",
+)
+
+
+@dataclass
+class Check:
+    graph: str
+    pipeline: str  # "partitions" | "graph"
+    output: str
+    original: str
+    max_abs: float
+    max_rel: float
+    cosine: float
+    ok: bool
+
+
+@dataclass
+class Result:
+    checks: list[Check]
+    skipped: list[str]
+    samples: int
+    atol: float
+    rtol: float
+    min_cosine: float
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def failures(self) -> list[Check]:
+        return [c for c in self.checks if not c.ok]
+
+    def to_json(self) -> dict:
+        return {
+            "ok": self.ok,
+            "samples": self.samples,
+            "atol": self.atol,
+            "rtol": self.rtol,
+            "min_cosine": self.min_cosine,
+            "checks": [asdict(c) for c in self.checks],
+            "skipped": self.skipped,
+        }
+
+
+def load_manifest(out: Path) -> dict:
+    path = Path(out) / "manifest.json"
+    if not path.is_file():
+        raise InputError(f"{path}: no manifest (is {out} an mtkc compile output?)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+
+
+def original_path(manifest: dict, out: Path, override: str | Path | None = None) -> Path:
+    """The source model: `--model`, else the manifest's `model` (absolute, or relative to OUT)."""
+    recorded = manifest.get("model")
+    if isinstance(recorded, dict):
+        recorded = recorded.get("path")
+    path = Path(override) if override else (Path(out) / recorded if recorded else None)
+    if path is None:
+        raise InputError(f"{out}/manifest.json records no source model; pass --model PATH")
+    if not path.is_file():
+        raise InputError(f"{path}: source model not found; pass --model PATH")
+    return path
+
+
+def load_session(path: Path):
+    """An ORT CPU session for an ONNX file, external data resolved beside it."""
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:
+        raise InputError(f"{path}: cannot load ({type(exc).__name__})") from None
+    return session(proto, path.parent)
+
+
+def run_partitions(out: Path, graph: dict, feeds: dict[str, np.ndarray], sessions: dict | None = None) -> dict[str, np.ndarray]:
+    """Run the partitions in manifest order, each fed by name from the graph inputs and earlier partitions."""
+    sessions = {} if sessions is None else sessions
+    env = dict(feeds)
+    for part in graph["partitions"]:
+        missing = [i["name"] for i in part["inputs"] if i["name"] not in env]
+        if missing:
+            raise InputError(f"manifest: partition {graph['name']}/{part['id']} input '{missing[0]}' is made by no earlier partition")
+        path = Path(out) / part["path"]
+        if path not in sessions:
+            sessions[path] = load_session(path)
+        names = [o["name"] for o in part["outputs"]]
+        env.update(zip(names, sessions[path].run(names, {i["name"]: env[i["name"]] for i in part["inputs"]})))
+    return {o["name"]: env[o["name"]] for o in graph["outputs"]}
+
+
+def run_session(sess, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    names = [o.name for o in sess.get_outputs()]
+    wanted = {i.name for i in sess.get_inputs()}
+    return dict(zip(names, sess.run(names, {k: v for k, v in feeds.items() if k in wanted})))
+
+
+def compare(actual: np.ndarray, expected: np.ndarray, atol: float, rtol: float) -> tuple[float, float, float, bool]:
+    """(max abs, max rel, cosine, allclose). Rel error is taken where |expected| > atol (no 0/0 noise)."""
+    a = np.asarray(actual, np.float64).ravel()
+    b = np.asarray(expected, np.float64).ravel()
+    diff = np.abs(a - b)
+    max_abs = float(diff.max()) if diff.size else 0.0
+    big = np.abs(b) > atol
+    max_rel = float((diff[big] / np.abs(b[big])).max()) if big.any() else 0.0
+    na, nb = np.linalg.norm(a), np.linalg.norm(b)
+    cosine = 1.0 if na == 0 and nb == 0 else float(a @ b / (na * nb)) if na and nb else 0.0
+    close = bool(np.all(diff <= atol + rtol * np.abs(b))) and bool(np.isfinite(a).all())
+    return max_abs, max_rel, cosine, close
+
+
+def build_feeds(original_inputs, compiled_inputs: list[dict], vocab: int, seed: int) -> tuple[dict, dict]:
+    """Seeded feeds for the original model and the equivalent feeds for the compiled graph."""
+    by_name = {i["name"]: i for i in compiled_inputs}
+    seq = _dim(by_name, ("input_ids", "hidden_states"), 1, default=1)
+    past = next((i["shape"][2] for i in compiled_inputs if KV_INPUT.match(i["name"])), 0)
+    dims = {"batch_size": 1, "batch": 1, "sequence_length": seq, "past_sequence_length": past,
+            "total_sequence_length": past + seq}
+    kv_of = _kv_names(by_name, "past", KV_INPUT)  # original cache input name -> compiled past_*_i
+    rng = np.random.default_rng(seed)
+    original: dict[str, np.ndarray] = {}
+    for arg in original_inputs:
+        dtype = _np_dtype(arg.type)
+        name = arg.name
+        kv = kv_of.get(name)
+        if name == "input_ids":
+            original[name] = rng.integers(0, vocab, (1, seq)).astype(dtype)
+        elif name == "attention_mask":
+            original[name] = np.ones((1, past + seq), dtype)
+        elif name == "position_ids":
+            original[name] = np.arange(past, past + seq, dtype=dtype)[None]
+        elif kv is not None:
+            original[name] = rng.standard_normal(by_name[kv]["shape"]).astype(dtype)
+        else:
+            shape = [_resolve(d, k, dims, by_name.get(name)) for k, d in enumerate(arg.shape)]
+            original[name] = (rng.integers(0, vocab, shape) if np.issubdtype(dtype, np.integer)
+                              else rng.standard_normal(shape)).astype(dtype)
+    source_of = {kv: name for name, kv in kv_of.items() if name in original}
+    compiled: dict[str, np.ndarray] = {}
+    for spec in compiled_inputs:
+        name, dtype, shape = spec["name"], _manifest_dtype(spec["dtype"]), spec["shape"]
+        source = source_of.get(name)
+        if name == "attention_mask" and len(shape) == 4:
+            compiled[name] = causal_mask(shape[2], shape[3], dtype)
+        elif name in original and list(original[name].shape) == list(shape):
+            compiled[name] = original[name].astype(dtype)
+        elif name == "position_ids":
+            compiled[name] = np.arange(past, past + seq, dtype=dtype).reshape(shape)
+        elif source is not None:
+            compiled[name] = original[source].astype(dtype)
+        else:
+            raise InputError(f"verify: no rule builds compiled input '{name}' {shape} from the original model's inputs")
+    return original, compiled
+
+
+def causal_mask(seq: int, total: int, dtype) -> np.ndarray:
+    """Additive [1,1,T,C+T] mask: row i sees the C cached positions and new positions <= i."""
+    past = total - seq
+    allowed = np.arange(total)[None, :] <= past + np.arange(seq)[:, None]
+    return np.where(allowed, 0.0, MASK_MIN).astype(dtype)[None, None]
+
+
+def match_output(name: str, original_names: list[str]) -> str | None:
+    """The original output a compiled output is compared with (same name, or its cache spelling)."""
+    if name in original_names:
+        return name
+    return next((o for o, c in _kv_names([name], "present", KV_OUTPUT).items() if o in original_names), None)
+
+
+def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 1e-3, min_cosine: float = 0.999,
+           model: str | Path | None = None) -> Result:
+    """Compare every manifest graph (partitions wired, and whole) with the original model."""
+    out = Path(out)
+    manifest = load_manifest(out)
+    reference = load_session(original_path(manifest, out, model))
+    original_outputs = [o.name for o in reference.get_outputs()]
+    worst: dict[tuple, Check] = {}
+    skipped: list[str] = []
+    sessions: dict = {}
+    for graph in manifest.get("graphs", []):
+        whole = load_session(out / graph["path"])
+        vocab = _vocab(graph, reference)
+        for sample in range(samples):
+            orig_feeds, feeds = build_feeds(reference.get_inputs(), graph["inputs"], vocab, seed=sample)
+            expected = run_session(reference, orig_feeds)
+            runs = {"partitions": run_partitions(out, graph, feeds, sessions), "graph": run_session(whole, feeds)}
+            for pipeline, outputs in runs.items():
+                for name, value in outputs.items():
+                    source = match_output(name, original_outputs)
+                    if source is None:
+                        note = f"{graph['name']}/{name}: no matching original output"
+                        if note not in skipped:
+                            skipped.append(note)
+                        continue
+                    want = expected[source]
+                    if value.shape != want.shape and value.ndim == want.ndim == 4 and KV_OUTPUT.match(name):
+                        want = want[:, :, -value.shape[2]:, :]  # new-entry-only present
+                    if value.shape != want.shape:
+                        check = Check(graph["name"], pipeline, name, source, float("inf"), float("inf"), 0.0, False)
+                    else:
+                        max_abs, max_rel, cosine, close = compare(value, want, atol, rtol)
+                        check = Check(graph["name"], pipeline, name, source, max_abs, max_rel, cosine,
+                                      close and cosine >= min_cosine)
+                    key = (graph["name"], pipeline, name)
+                    if key not in worst:
+                        worst[key] = check
+                    else:
+                        w = worst[key]
+                        worst[key] = Check(w.graph, w.pipeline, w.output, w.original, max(w.max_abs, check.max_abs),
+                                           max(w.max_rel, check.max_rel), min(w.cosine, check.cosine), w.ok and check.ok)
+    return Result(list(worst.values()), skipped, samples, atol, rtol, min_cosine)
+
+
+def format_text(result: Result) -> str:
+    rows = [("graph", "pipeline", "output", "max abs", "max rel", "cosine", "status")]
+    for c in result.checks:
+        rows.append((c.graph, c.pipeline, c.output, f"{c.max_abs:.3g}", f"{c.max_rel:.3g}", f"{c.cosine:.6f}",
+                     "ok" if c.ok else "MISMATCH"))
+    widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines += [f"skipped: {s}" for s in result.skipped]
+    verdict = "ok" if result.ok else f"MISMATCH in {len(result.failures)} output(s)"
+    lines.append(f"{verdict} ({result.samples} sample(s), atol {result.atol:g}, rtol {result.rtol:g}, "
+                 f"min cosine {result.min_cosine:g})")
+    return "\n".join(lines)
+
+
+def _vocab(graph: dict, reference) -> int:
+    logits = next((o for o in graph["outputs"] if o["name"] == "logits"), None)
+    if logits and logits["shape"] and isinstance(logits["shape"][-1], int):
+        return logits["shape"][-1]
+    ref = next((o for o in reference.get_outputs() if o.name == "logits"), None)
+    return ref.shape[-1] if ref is not None and isinstance(ref.shape[-1], int) else 100
+
+
+def _dim(by_name: dict, names: tuple[str, ...], axis: int, default: int) -> int:
+    for name in names:
+        shape = by_name.get(name, {}).get("shape")
+        if shape and len(shape) > axis and isinstance(shape[axis], int):
+            return shape[axis]
+    return default
+
+
+def _resolve(dim, axis: int, dims: dict, compiled: dict | None) -> int:
+    if isinstance(dim, int) and dim >= 0:
+        return dim
+    if isinstance(dim, str) and dim in dims:
+        return dims[dim]
+    if compiled and compiled.get("shape") and len(compiled["shape"]) > axis and isinstance(compiled["shape"][axis], int):
+        return compiled["shape"][axis]
+    return 1
+
+
+def _kv_names(compiled_names, io: str, regex: re.Pattern) -> dict[str, str]:
+    """Every exporter spelling of each compiled cache tensor (`past_key_3`) -> that compiled name."""
+    spellings = {}
+    for name in compiled_names:
+        m = regex.match(name)
+        if m:
+            kind, i = m.groups()
+            hf = "input" if io == "past" else "output"
+            spellings.update((p.format(io=io, hf=hf, i=i, kind=kind), name) for p in ORIGINAL_KV)
+    return spellings
+
+
+def _np_dtype(ort_type: str) -> np.dtype:
+    names = {"float": np.float32, "float16": np.float16, "double": np.float64, "int64": np.int64,
+             "int32": np.int32, "bool": np.bool_, "int8": np.int8, "uint8": np.uint8}
+    inner = ort_type.removeprefix("tensor(").removesuffix(")")
+    if inner not in names:
+        raise InputError(f"verify: unsupported input type {ort_type}")
+    return np.dtype(names[inner])
+
+
+def _manifest_dtype(name: str) -> np.dtype:
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(getattr(onnx.TensorProto, name)))
