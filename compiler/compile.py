@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import onnx
 import onnx_graphsurgeon as gs
 
 from mtkc import __version__, manifest
@@ -28,10 +27,12 @@ from mtkc.errors import InputError
 from mtkc.model import Model, load
 from mtkc.pass_api import Context
 from mtkc.pass_manager import Pipeline, PassRecord, load_registry, resolve_pipeline, run_pipeline
+from mtkc.weights import WeightWriter
 
 # Compile options (keys of `options`; all optional). Those that shape the output go in the manifest.
 OUTPUT_OPTIONS = ("arch", "seq_len", "cache_len", "batch", "input_shapes", "passes", "skip_passes", "plugins")
 RUN_OPTIONS = ("verify_each", "overwrite")
+WEIGHTS_FILE = "weights.bin"  # shared by every graph written (each tensor stored once)
 
 
 @dataclass
@@ -87,9 +88,9 @@ def compile_graph(model: Model, sdk: str, options: dict[str, Any], table=None) -
     ctx = Context(table, options, model.root, model.values)
     registry = load_registry(options["plugins"])
     pipeline = resolve_pipeline(registry, ctx, options["passes"], options["skip_passes"])
-    raw = coverage(model.graph, table)
+    raw = coverage(model.graph, ctx)
     records = run_pipeline(model.graph, pipeline, ctx, verify_each=bool(options["verify_each"]))
-    return Compiled(model, ctx, pipeline, records, {"raw": raw, "compiled": coverage(model.graph, table)})
+    return Compiled(model, ctx, pipeline, records, {"raw": raw, "compiled": coverage(model.graph, ctx)})
 
 
 def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.PathLike, options: dict[str, Any] | None = None, table=None) -> CompileResult:
@@ -115,14 +116,15 @@ def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.Pat
     return CompileResult(out, data, report, compiled.records, variants)
 
 
-def coverage(graph: gs.Graph, table) -> float | None:
+def coverage(graph: gs.Graph, ctx: Context) -> float | None:
     """Fraction of nodes the table supports (None when the table gives no verdicts)."""
-    verdict = getattr(table, "verdict", None)
+    verdict = getattr(ctx.table, "verdict", None)
     if verdict is None:
         return None
     if not graph.nodes:
         return 1.0
-    return round(sum(1 for n in graph.nodes if verdict(n).supported) / len(graph.nodes), 6)
+    supported = sum(1 for n in graph.nodes if verdict(n, graph.opset, ctx.read_values).supported)
+    return round(supported / len(graph.nodes), 6)
 
 
 def _variants(graph: gs.Graph, ctx: Context) -> list[GraphVariant]:
@@ -202,8 +204,9 @@ def _write(out: Path, variants: list[GraphVariant], data: dict, report: dict, ro
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.mtkc-", dir=out.parent))
     try:
-        for variant in variants:
-            save_graph(variant.graph, stage / f"{variant.name}.onnx", root)
+        with WeightWriter(stage, WEIGHTS_FILE) as writer:
+            for variant in variants:
+                writer.export(variant.graph, root, stage / f"{variant.name}.onnx")
         _write_text(stage / "report.json", json.dumps(report, sort_keys=True, indent=2) + "\n")
         _write_text(stage / "manifest.json", manifest.dumps(data))
         if out.exists():
@@ -224,68 +227,3 @@ def _write_text(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-# Minimal private weight writer until `mtkc.weights` (helper M) lands: tensors >= 1 KiB go to
-# `<stem>.data` (64-byte aligned, in initializer order), copied one at a time from the source.
-EXTERNAL_MIN_BYTES = 1024
-ALIGN = 64
-
-
-def save_graph(graph: gs.Graph, path: Path, root: Path) -> None:
-    """Write `graph` to `path` with its large weights in `<stem>.data` beside it."""
-    proto = gs.export_onnx(graph, do_type_check=False)
-    data_name = f"{path.stem}.data"
-    offset = 0
-    with open(path.parent / data_name, "wb") as data:
-        for tensor in proto.graph.initializer:
-            blob = _tensor_bytes(tensor, root)
-            if blob is None or len(blob) < EXTERNAL_MIN_BYTES:
-                if blob is not None and tensor.data_location == onnx.TensorProto.EXTERNAL:
-                    _inline(tensor, blob)
-                continue
-            pad = -offset % ALIGN
-            data.write(b"\0" * pad)
-            offset += pad
-            data.write(blob)
-            _externalise(tensor, data_name, offset, len(blob))
-            offset += len(blob)
-        data.flush()
-        os.fsync(data.fileno())
-    if offset == 0:
-        (path.parent / data_name).unlink()
-    with open(path, "wb") as f:
-        f.write(proto.SerializeToString(deterministic=True))
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _tensor_bytes(tensor: onnx.TensorProto, root: Path) -> bytes | None:
-    """Raw little-endian bytes of an initializer (external data read from `root`)."""
-    if tensor.data_location == onnx.TensorProto.EXTERNAL:
-        info = {e.key: e.value for e in tensor.external_data}
-        with open(root / info["location"], "rb") as f:
-            f.seek(int(info.get("offset", 0)))
-            return f.read(int(info["length"])) if "length" in info else f.read()
-    if tensor.HasField("raw_data"):
-        return tensor.raw_data
-    if tensor.data_type == onnx.TensorProto.STRING:
-        return None
-    return onnx.numpy_helper.to_array(tensor).tobytes()
-
-
-def _externalise(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
-    dims, name, dtype = list(tensor.dims), tensor.name, tensor.data_type
-    tensor.Clear()
-    tensor.name, tensor.data_type = name, dtype
-    tensor.dims.extend(dims)
-    tensor.data_location = onnx.TensorProto.EXTERNAL
-    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
-        entry = tensor.external_data.add()
-        entry.key, entry.value = key, value
-
-
-def _inline(tensor: onnx.TensorProto, blob: bytes) -> None:
-    del tensor.external_data[:]
-    tensor.data_location = onnx.TensorProto.DEFAULT
-    tensor.raw_data = blob

@@ -8,7 +8,7 @@ Checked (a violation names the pass and the tensor/node):
     or the output of a node in the graph;
   - tensor names unique;
   - once shapes are bound (every graph input static), no pass leaves a tensor it created or
-    changed without a dtype or with a non-static shape.
+    changed without a dtype, and a pass given a fully static graph keeps it fully static.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from numbers import Integral
 import onnx_graphsurgeon as gs
 
 from mtkc.errors import MtkcError, PassError
-from mtkc.pass_api import NodeNames
+from mtkc.graph_utils import Names
 
 
 def restore(graph: gs.Graph, pass_name: str | None = None, error: type[MtkcError] = PassError) -> None:
@@ -32,7 +32,7 @@ def restore(graph: gs.Graph, pass_name: str | None = None, error: type[MtkcError
 
 def name_nodes(graph: gs.Graph, prefix: str | None) -> int:
     """Give unnamed/duplicate-named nodes `<prefix>/<old name or op>`; returns how many."""
-    names = NodeNames(graph)
+    names = Names(graph, prefix or "")
     seen: set[str] = set()
     renamed = 0
     for node in graph.nodes:
@@ -48,20 +48,21 @@ def shapes_bound(graph: gs.Graph) -> bool:
     return all(_static(t) for t in graph.inputs)
 
 
-def loose_tensors(graph: gs.Graph) -> set[str]:
-    """Names of variables without a dtype, or (once shapes are bound) without a static shape."""
-    bound = shapes_bound(graph)
-    return {
-        t.name
-        for t in _variables(graph)
-        if t.dtype is None or (bound and not _static(t))
-    }
+def loose_tensors(graph: gs.Graph) -> tuple[set[str], set[str]]:
+    """(names of variables without a dtype, names of variables without a static shape)."""
+    untyped, dynamic = set(), set()
+    for t in _variables(graph):
+        if t.dtype is None:
+            untyped.add(t.name)
+        if not _static(t):
+            dynamic.add(t.name)
+    return untyped, dynamic
 
 
 def check(
     graph: gs.Graph,
     pass_name: str | None = None,
-    loose_before: set[str] | None = None,
+    loose_before: tuple[set[str], set[str]] | None = None,
     error: type[MtkcError] = PassError,
 ) -> None:
     """Raise `error` naming the pass and the culprit when an invariant does not hold."""
@@ -91,13 +92,12 @@ def check(
             raise error(f"{stage}: two different tensors are named '{t.name}'")
 
     if loose_before is not None and shapes_bound(graph):
+        untyped, dynamic = loose_before
         for t in _variables(graph):
-            if t.name in loose_before:
-                continue
-            if t.dtype is None:
+            if t.dtype is None and t.name not in untyped:
                 raise error(f"{stage}: tensor '{t.name}' has no dtype")
-            if not _static(t):
-                raise error(f"{stage}: tensor '{t.name}' has no static shape ({_shape_text(t)}) after shapes were bound")
+            if not dynamic and not _static(t):
+                raise error(f"{stage}: tensor '{t.name}' has no static shape ({_shape_text(t)}) in a static graph")
 
 
 def _stage(pass_name: str | None) -> str:

@@ -15,9 +15,10 @@ condition, so `mtkc compile --explain PASS` can say why without reading code.
             return PassResult(rewrites=n, misses=[Miss(node.name, "Bar has two consumers")])
 
 The pass manager owns the graph's invariants: after `run` it removes dead nodes, sorts
-topologically, names unnamed/duplicate nodes `<pass>/<op or old name>`, and checks that no
-tensor dangles and every new tensor is typed (static once shapes are bound). Name new nodes
-with `unique_name(graph, base)` or a `NodeNames` to keep names readable.
+topologically, names unnamed/duplicate nodes `<pass>/<op or old name>`, re-infers shapes when
+a pass left new tensors untyped, and checks that no tensor dangles and every tensor is typed
+(static once shapes are bound). Name new nodes with `mtkc.graph_utils.Names` (or
+`unique_name(graph, base)` for one) to keep names readable.
 
 A pass that changes the graph's I/O contract (a mask/RoPE/KV-cache normalisation replaces
 inputs or outputs) overrides `map_feeds` / `map_outputs`, so `--verify-each` can feed the
@@ -37,6 +38,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.errors import PassError
+from mtkc.graph_utils import Names
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
 
@@ -149,19 +151,11 @@ def collecting(origin: str) -> Iterator[dict[str, type[Pass]]]:
         _sink, _origin = saved
 
 
-class NodeNames:
-    """Hands out node names not yet used in a graph: `base`, then `base/1`, `base/2`, ..."""
+class NodeNames(Names):
+    """Fresh names in `graph`: `new(base)` gives `base`, then `base/1`, `base/2`, ..."""
 
     def __init__(self, graph: gs.Graph):
-        self.used = {node.name for node in graph.nodes}
-
-    def new(self, base: str) -> str:
-        name, k = base, 0
-        while name in self.used:
-            k += 1
-            name = f"{base}/{k}"
-        self.used.add(name)
-        return name
+        super().__init__(graph, "")
 
 
 def unique_name(graph: gs.Graph, base: str) -> str:

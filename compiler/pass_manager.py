@@ -254,6 +254,10 @@ def run_pipeline(
         if not isinstance(result, PassResult):
             raise PassError(f"pass '{p.name}' ({p.origin}) returned {type(result).__name__}, not a PassResult")
         invariants.restore(graph, p.name)
+        if invariants.shapes_bound(graph) and _new_loose(invariants.loose_tensors(graph), loose):
+            from mtkc.shapes import infer
+
+            infer(graph, ctx.root)  # type what the pass left untyped; still loose -> PassError
         invariants.check(graph, p.name, loose)
         record = PassRecord(
             p.name, p.origin, result.rewrites, nodes_before, len(graph.nodes),
@@ -268,6 +272,11 @@ def run_pipeline(
         if verifier is not None:
             verifier.after(p, graph, result.changed)
     return records
+
+
+def _new_loose(now: tuple[set[str], set[str]], before: tuple[set[str], set[str]]) -> bool:
+    """Did the pass leave a tensor untyped, or a static graph with a dynamic tensor?"""
+    return bool(now[0] - before[0]) or (not before[1] and bool(now[1]))
 
 
 def guarded(p, what: str, fn, *args):
