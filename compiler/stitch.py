@@ -3,30 +3,27 @@
 A partition's inputs are the tensors its nodes read that another partition (or the graph) makes;
 its outputs are the tensors it makes that another partition reads or that are graph outputs
 (ORT's `MakeComputeCapability`). Boundary tensors keep their graph names, so the manifest wires
-partitions by name. Weights stay inside the partition that uses them; `save` (the shared weight
-writer) writes each weight once however many partitions or graphs use it.
+partitions by name. Weights stay inside the partition that uses them; the shared WeightWriter
+stores each weight once however many partitions or graphs use it.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Callable
+from dataclasses import dataclass
 
-import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 
 from mtkc.errors import PassError
+from mtkc.manifest import tensor_spec
 from mtkc.partition import CPU, NPU, Partition, Placement, node_inputs
 
-SaveFn = Callable[[gs.Graph, Path], None]
 
+@dataclass
+class Piece:
+    """One partition cut out as its own graph, with its manifest entry (`path` relative to OUT)."""
 
-def tensor_info(tensor: gs.Variable) -> dict:
-    """`{name, dtype, shape}` as the manifest spells it (ONNX dtype names, ints or dim names)."""
-    dtype = onnx.helper.tensor_dtype_to_string(onnx.helper.np_dtype_to_tensor_dtype(np.dtype(tensor.dtype)))
-    shape = None if tensor.shape is None else [d if isinstance(d, int) else str(d) for d in tensor.shape]
-    return {"name": tensor.name, "dtype": dtype.removeprefix("TensorProto."), "shape": shape}
+    entry: dict
+    graph: gs.Graph
 
 
 def boundaries(graph: gs.Graph, parts: list[Partition]) -> list[tuple[list[gs.Variable], list[gs.Variable]]]:
@@ -54,21 +51,13 @@ def boundaries(graph: gs.Graph, parts: list[Partition]) -> list[tuple[list[gs.Va
     return result
 
 
-def write_partitions(
-    graph: gs.Graph,
-    parts: list[Partition],
-    placements: dict[str, Placement],
-    graph_name: str,
-    save: SaveFn,
-) -> list[dict]:
-    """Save each partition as `<graph_name>.<id>.onnx`; return the manifest entries.
-
-    Flat beside the weights: onnxruntime refuses external data outside the model's folder.
-    """
+def cut(graph: gs.Graph, parts: list[Partition], placements: dict[str, Placement], graph_name: str) -> list[Piece]:
+    """One graph per partition, to be saved as `<graph_name>.<id>.onnx` beside the weights
+    (flat: onnxruntime refuses external data outside the model's folder)."""
     producer = {}
     for part in parts:
         producer.update((id(t), part.id) for n in part.nodes for t in n.outputs)
-    entries = []
+    pieces = []
     for part, (inputs, outputs) in zip(parts, boundaries(graph, parts)):
         for t in inputs + outputs:
             if t.dtype is None:
@@ -84,20 +73,18 @@ def write_partitions(
             import_domains=graph.import_domains,
             producer_name="mtkc",
         )
-        path = Path(f"{graph_name}.{part.id}.onnx")
-        save(sub, path)
         entry = {
             "id": part.id,
             "target": part.target,
-            "path": path.as_posix(),
-            "inputs": [{**tensor_info(t), "from": producer.get(id(t), "graph")} for t in inputs],
-            "outputs": [tensor_info(t) for t in outputs],
+            "path": f"{graph_name}.{part.id}.onnx",
+            "inputs": [{**tensor_spec(t), "from": producer.get(id(t), "graph")} for t in inputs],
+            "outputs": [tensor_spec(t) for t in outputs],
             "nodes": [n.name for n in part.nodes],
         }
         if part.target == CPU:
             entry["cpu_reasons"] = {n.name: _reason(placements[n.name]) for n in part.nodes}
-        entries.append(entry)
-    return entries
+        pieces.append(Piece(entry, sub))
+    return pieces
 
 
 def _static(t: gs.Variable) -> bool:

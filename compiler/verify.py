@@ -314,4 +314,7 @@ def _np_dtype(ort_type: str) -> np.dtype:
 
 
 def _manifest_dtype(name: str) -> np.dtype:
-    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(getattr(onnx.TensorProto, name)))
+    try:
+        return np.dtype(name)
+    except TypeError:
+        raise InputError(f"manifest: unknown dtype '{name}'") from None

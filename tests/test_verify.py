@@ -16,7 +16,8 @@ from mtkc.errors import InputError
 from mtkc.execute import run
 from mtkc.model import load
 from mtkc.partition import name_nodes, partition, place
-from mtkc.stitch import tensor_info, write_partitions
+from mtkc.manifest import tensor_spec
+from mtkc.stitch import cut
 
 SEQ = 8
 
@@ -45,16 +46,16 @@ def toy_compile(model_path: Path, out: Path, cpu_ops=("Sin", "Cos", "Range")) ->
     parts, placements = partition(graph, place(graph, verdict))
     out.mkdir(parents=True, exist_ok=True)
 
-    def save(sub: gs.Graph, rel: Path) -> None:
-        onnx.save(gs.export_onnx(sub), out / rel)
-
-    entries = write_partitions(graph, parts, placements, "model", save)
-    save(graph, Path("model.onnx"))
+    pieces = cut(graph, parts, placements, "model")
+    for piece in pieces:
+        onnx.save(gs.export_onnx(piece.graph), out / piece.entry["path"])
+    onnx.save(gs.export_onnx(graph), out / "model.onnx")
+    entries = [p.entry for p in pieces]
     manifest = {
         "schema_version": 1,
         "model": {"path": str(model_path.resolve())},
-        "graphs": [{"name": "model", "path": "model.onnx", "inputs": [tensor_info(t) for t in graph.inputs],
-                    "outputs": [tensor_info(t) for t in graph.outputs], "partitions": entries}],
+        "graphs": [{"name": "model", "path": "model.onnx", "inputs": [tensor_spec(t) for t in graph.inputs],
+                    "outputs": [tensor_spec(t) for t in graph.outputs], "partitions": entries}],
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest
@@ -94,7 +95,7 @@ def test_verify_cli_fails_naming_the_output_on_corrupted_partition(compiled, run
     out = tmp_path / "out"
     shutil.copytree(src, out)
     part = next(p for p in manifest["graphs"][0]["partitions"] if p["target"] == "npu" and
-                any(o["dtype"] == "FLOAT" for o in p["outputs"]))
+                any(o["dtype"] == "float32" for o in p["outputs"]))
     proto = onnx.load(out / part["path"])
     target = next(o for o in proto.graph.output if o.type.tensor_type.elem_type == onnx.TensorProto.FLOAT)
     inner = target.name + "_corrupt_src"
@@ -127,14 +128,14 @@ def test_causal_mask_and_feeds_mapping():
             SimpleNamespace(name="attention_mask", type="tensor(int64)", shape=["batch_size", "total_sequence_length"]),
             SimpleNamespace(name="position_ids", type="tensor(int64)", shape=["batch_size", "sequence_length"]),
             SimpleNamespace(name="past_key_values.0.key", type="tensor(float)", shape=["batch_size", 2, "p", 16])]
-    compiled = [{"name": "input_ids", "dtype": "INT32", "shape": [1, 2]},
-                {"name": "attention_mask", "dtype": "FLOAT", "shape": [1, 1, 2, 5]},
-                {"name": "position_ids", "dtype": "INT32", "shape": [1, 2]},
-                {"name": "past_key_0", "dtype": "FLOAT", "shape": [1, 2, 3, 16]}]
+    compiled = [{"name": "input_ids", "dtype": "int32", "shape": [1, 2]},
+                {"name": "attention_mask", "dtype": "float32", "shape": [1, 1, 2, 5]},
+                {"name": "position_ids", "dtype": "int32", "shape": [1, 2]},
+                {"name": "past_key_0", "dtype": "float32", "shape": [1, 2, 3, 16]}]
     original, feeds = V.build_feeds(args, compiled, vocab=50, seed=0)
     assert original["attention_mask"].shape == (1, 5) and original["position_ids"].tolist() == [[3, 4]]
     assert feeds["input_ids"].dtype == np.int32 and (feeds["input_ids"] == original["input_ids"]).all()
     assert (feeds["past_key_0"] == original["past_key_values.0.key"]).all()
     assert V.match_output("present_key_0", ["logits", "present.0.key"]) == "present.0.key"
     with pytest.raises(InputError, match="compiled input 'pos_emb'"):
-        V.build_feeds(args, compiled + [{"name": "pos_emb", "dtype": "FLOAT", "shape": [1, 2, 2, 16]}], 50, 0)
+        V.build_feeds(args, compiled + [{"name": "pos_emb", "dtype": "float32", "shape": [1, 2, 2, 16]}], 50, 0)
