@@ -1,0 +1,190 @@
+"""bind-shapes: symbolic input dims -> static ints, then shape inference over the whole graph.
+
+Matches every graph input dim that is not a known int (a symbol such as `batch_size`,
+`sequence_length`, dynamo's `s53`, hf's numeric strings `'2'`, or unknown). Each dim gets a
+value from, in order:
+
+    --input-shape NAME=D0,D1,...              the user's dims for that input
+    its role, from the input's name and axis  batch / seq / cache / total (= seq + cache)
+    the symbol, when another input bound it   (hf: one `sNN` per tensor, shared by name)
+    the symbol's conventional name            batch_size, sequence_length, past_sequence_length
+
+    input_ids, inputs_embeds, hidden_states, position_ids   [batch, seq, ...]
+    attention_mask 2-D                                      [batch, total]
+    attention_mask 4-D                                      [batch, 1, seq, total]
+    past* / *cache* inputs (4-D)                            [batch, heads, cache, head_dim]
+
+total = seq + cache when the graph has past inputs, else seq. `batch` defaults to 1 once any
+dim is bound. Refuses (Miss) a dim it cannot value; a static dim that contradicts the request
+is an InputError. Emits: the bound input shapes, output shapes from their dim expressions, and
+dtype/shape of every tensor by `mtkc.shapes.infer` (weights stripped, never serialised).
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+
+from mtkc import shapes
+from mtkc.errors import InputError
+from mtkc.pass_api import Context, Miss, Pass, PassResult, register
+
+SYMBOL_ROLES = {
+    "batch": "batch", "batch_size": "batch",
+    "sequence_length": "seq", "seq_len": "seq", "sequence": "seq",
+    "past_sequence_length": "cache", "past_seq_len": "cache", "cache_length": "cache", "past_length": "cache",
+    "total_sequence_length": "total", "past_sequence_length + sequence_length": "total",
+    "past_sequence_length+sequence_length": "total", "attention_mask_sequence_length": "total",
+}
+OPTION_OF_ROLE = {"batch": "--batch", "seq": "--seq-len", "cache": "--cache-len", "total": "--seq-len/--cache-len"}
+
+
+def input_roles(name: str, rank: int) -> dict[int, str]:
+    """Axis -> role for an LLM graph input, from its name and rank."""
+    n = name.lower()
+    if n.endswith(("input_ids", "inputs_embeds", "hidden_states", "position_ids")) and rank >= 2:
+        return {0: "batch", 1: "seq"}
+    if "attention_mask" in n or n == "mask":
+        return {0: "batch", 1: "total"} if rank == 2 else ({0: "batch", 2: "seq", 3: "total"} if rank == 4 else {})
+    if ("past" in n or "cache" in n) and rank == 4:
+        return {0: "batch", 2: "cache"}
+    if n == "pos_emb" and rank == 4:
+        return {2: "seq"}
+    return {}
+
+
+def has_past(graph) -> bool:
+    return any(("past" in t.name.lower() or "cache" in t.name.lower()) and len(t.shape or ()) == 4 for t in graph.inputs)
+
+
+def role_values(options: dict, past: bool) -> dict[str, int | None]:
+    seq, cache, batch = options.get("seq_len"), options.get("cache_len"), options.get("batch")
+    anything = any(options.get(k) for k in ("seq_len", "cache_len", "batch", "input_shapes"))
+    if batch is None and anything:
+        batch = 1
+    if not past:
+        cache = 0
+    total = seq + cache if seq is not None and cache is not None else None
+    return {"batch": batch, "seq": seq, "cache": cache, "total": total}
+
+
+@register
+class BindShapes(Pass):
+    name = "bind-shapes"
+    description = "symbolic input dims -> static (--seq-len/--cache-len/--batch/--input-shape), then infer shapes"
+
+    def applies(self, ctx: Context) -> bool:
+        return any(ctx.options.get(k) for k in ("seq_len", "cache_len", "batch", "input_shapes"))
+
+    def run(self, graph, ctx: Context) -> PassResult:
+        result = PassResult()
+        explicit = dict(ctx.options.get("input_shapes") or {})
+        unknown = sorted(set(explicit) - {t.name for t in graph.inputs})
+        if unknown:
+            raise InputError(f"--input-shape: the model has no input '{unknown[0]}'")
+        past = has_past(graph)
+        if ctx.options.get("cache_len") and not past:
+            result.notes.append("--cache-len ignored: the model has no past/cache inputs")
+        values = role_values(ctx.options, past)
+        symbols: dict[str, int] = {}
+        pending = []
+        for t in graph.inputs:
+            shape = list(t.shape or [])
+            if t.name in explicit:
+                dims = list(explicit[t.name])
+                if len(dims) != len(shape) and shape:
+                    raise InputError(f"--input-shape {t.name}: {len(dims)} dims given, the input has rank {len(shape)}")
+                for d, v in zip(shape, dims):
+                    _check_static(t.name, d, v, "--input-shape")
+                    if _symbol(d):
+                        _learn(symbols, d, v, t.name)
+                result.rewrites += sum(1 for d in shape if not _static(d))
+                t.shape = dims
+                continue
+            roles = input_roles(t.name, len(shape))
+            for axis, d in enumerate(shape):
+                value = _numeric(d)
+                role = roles.get(axis) or SYMBOL_ROLES.get(str(d).strip() if d is not None else "")
+                if value is None and role is not None:
+                    value = values[role]
+                if value is None:
+                    continue
+                if _static(d):
+                    _check_static(t.name, d, value, OPTION_OF_ROLE.get(role, "binding"), axis)
+                    continue
+                if _symbol(d):
+                    _learn(symbols, d, value, t.name)
+            pending.append(t)
+        for t in pending:
+            shape, roles = list(t.shape or []), input_roles(t.name, len(t.shape or []))
+            for axis, d in enumerate(shape):
+                if _static(d):
+                    continue
+                role = roles.get(axis) or SYMBOL_ROLES.get(str(d).strip() if d is not None else "")
+                value = _numeric(d)
+                if value is None and role is not None:
+                    value = values[role]
+                if value is None and _symbol(d):
+                    value = symbols.get(str(d))
+                if value is None:
+                    hint = OPTION_OF_ROLE.get(role, f"--input-shape {t.name}=...")
+                    result.misses.append(Miss(t.name, f"axis {axis} '{d}' is not bound: pass {hint}"))
+                    continue
+                shape[axis] = value
+                result.rewrites += 1
+            t.shape = shape
+        for t in graph.outputs:
+            if t.shape is not None:
+                t.shape = [_evaluate(d, symbols) for d in t.shape]
+        shapes.infer(graph, ctx.root)
+        return result
+
+
+def _static(d) -> bool:
+    return isinstance(d, int) and d >= 0
+
+
+def _symbol(d) -> bool:
+    return isinstance(d, str) and d != "" and _numeric(d) is None
+
+
+def _numeric(d) -> int | None:
+    if isinstance(d, str) and d.strip().isdigit():
+        return int(d)
+    return None
+
+
+def _check_static(name: str, d, value: int, option: str, axis: int | None = None) -> None:
+    if _static(d) and d != value:
+        where = f"axis {axis} " if axis is not None else ""
+        raise InputError(f"input '{name}' {where}is {d}, cannot bind it to {value} ({option})")
+
+
+def _learn(symbols: dict[str, int], d: str, value: int, name: str) -> None:
+    if symbols.setdefault(d, value) != value:
+        raise InputError(f"input '{name}': dim '{d}' is bound to both {symbols[d]} and {value}")
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
+
+
+def _evaluate(d, symbols: dict[str, int]):
+    """An output dim expression ('s70 + s85', 'past_sequence_length + sequence_length') -> int."""
+    if not isinstance(d, str):
+        return d
+    if _numeric(d) is not None:
+        return _numeric(d)
+    try:
+        return _eval_node(ast.parse(d, mode="eval").body, symbols)
+    except (SyntaxError, KeyError, TypeError, ValueError):
+        return d
+
+
+def _eval_node(node, symbols):
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return node.value
+    if isinstance(node, ast.Name):
+        return symbols[node.id]
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_eval_node(node.left, symbols), _eval_node(node.right, symbols))
+    raise ValueError(ast.dump(node))
