@@ -1,0 +1,149 @@
+"""Attention mask: one additive float input replaces the causal + padding mask construction.
+
+Exports build a BOOL [B,1,T,C+T] mask from the 2-D attention_mask (Range / LessOrEqual / And /
+Gather or GatherND / Expand) and add it to the scores per layer as Where(mask, 0, -inf|finfo.min)
+or Mul(Cast(Not(mask)), finfo.min). MDLA has none of that (bool, int64, Range, GatherND), and
+-inf / finfo.min break fp16 and int16 quantisation. MediaTek's runtime builds the mask on the host.
+
+Matched (anchor: each Softmax):
+
+    scores ─┐
+    M ──────┴─ Add ─ Softmax          M derived from the 2-D attention_mask input
+    Where(cond, scores, -big) ─ Softmax   (masked_fill form; cond derived from it)
+
+Emitted: a graph input `attention_mask` float32 [1, 1, T, C+T] (T = seq_len, C = cache_len, 0
+without cache), 0 where a key is visible and `mask_value` (default -100, finite) where it is not,
+feeding every site's Add. The row guards that zero fully-masked rows go (attention pass), and
+the 2-D input is removed — unless something else still reads it (unbound shapes: a miss says so).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from mtkc.pass_api import Context, Miss, Pass, PassResult, register
+from mtkc.pattern import Emit, replace_uses
+from mtkc.passes.attention import drop_row_guards
+
+NAME = "attention_mask"
+DEFAULT_VALUE = -100.0
+
+
+def _mask_input(graph: gs.Graph) -> gs.Variable | None:
+    for t in graph.inputs:
+        if "mask" in t.name and t.dtype is not None and np.issubdtype(np.dtype(t.dtype), np.integer) \
+                and t.shape is not None and len(t.shape) == 2:
+            return t
+    return None
+
+
+def _downstream(tensors: list[gs.Tensor]) -> set[int]:
+    """ids of every tensor whose values depend on `tensors` (a Shape reads no values)."""
+    seen, stack = {id(t) for t in tensors}, list(tensors)
+    while stack:
+        for node in stack.pop().outputs:
+            if node.op == "Shape":
+                continue
+            for out in node.outputs:
+                if id(out) not in seen:
+                    seen.add(id(out))
+                    stack.append(out)
+    return seen
+
+
+@register
+class Mask(Pass):
+    name = "mask"
+    description = "causal/padding mask construction -> one additive float attention_mask [1,1,T,C+T] input"
+
+    def __init__(self):
+        self.value = DEFAULT_VALUE
+        self.replaced: str | None = None  # name of the removed 2-D input
+
+    def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
+        result = PassResult()
+        old = _mask_input(graph)
+        softmaxes = [n for n in graph.nodes if n.op == "Softmax"]
+        if old is None:
+            result.misses = [Miss(n.name, "no 2-D integer attention_mask graph input") for n in softmaxes]
+            return result
+        derived = _downstream([old]) - _downstream([t for t in graph.inputs if t is not old])
+        self.value = float(ctx.options.get("mask_value") or DEFAULT_VALUE)
+        new = None
+        for node in softmaxes:
+            site = node.inputs[0].inputs[0] if node.inputs[0].inputs else None
+            if site is None or site.op not in ("Add", "Where"):
+                result.misses.append(Miss(node.name, f"Softmax input is not an Add or a Where ({site.op if site else 'none'})"))
+                continue
+            if site.op == "Add":
+                masked = [i for i, t in enumerate(site.inputs) if id(t) in derived]
+                if len(masked) != 1:
+                    result.misses.append(Miss(site.name, f"{len(masked)} Add inputs derive from '{old.name}', expected 1"))
+                    continue
+            elif id(site.inputs[0]) not in derived or id(site.inputs[1]) in derived:
+                result.misses.append(Miss(site.name, f"Where condition does not derive from '{old.name}'"))
+                continue
+            new = new or self._input(graph, ctx, old)
+            if site.op == "Add":
+                site.inputs[masked[0]] = new
+            else:
+                e = Emit(graph, site.name)
+                out = site.outputs[0]
+                added = e.op("Add", [site.inputs[1], new], dtype=out.dtype, shape=out.shape)
+                replace_uses(graph, out, added)
+            result.rewrites += 1
+        if new is None:
+            return result
+        result.rewrites += drop_row_guards(graph)
+        graph.cleanup().toposort()
+        readers = [n.name for n in old.outputs]
+        if readers:
+            result.misses.append(Miss(readers[0], f"'{old.name}' is still read by {len(readers)} node(s) "
+                                                   "(bind shapes and fold first); kept as an input"))
+        else:
+            graph.inputs = [t for t in graph.inputs if t is not old]
+            self.replaced = old.name.removesuffix(".2d")
+        return result
+
+    def _input(self, graph: gs.Graph, ctx: Context, old: gs.Variable) -> gs.Variable:
+        seq = ctx.options.get("seq_len") or _seq_dim(graph)
+        cache = ctx.options.get("cache_len")
+        if cache is not None:
+            total = int(seq) + int(cache) if isinstance(seq, int) or str(seq).isdigit() else f"{cache}+{seq}"
+        else:
+            total = old.shape[1] if _has_cache(graph) else seq
+        old.name = f"{old.name}.2d"
+        new = gs.Variable(NAME, dtype=np.float32, shape=[1, 1, seq, total])
+        graph.inputs.append(new)
+        return new
+
+    def map_feeds(self, feeds: dict, ctx: Context) -> dict:
+        """The additive mask equivalent to the 2-D mask (batch 1): key j visible to query i iff
+        attention_mask[j] and j <= C + i."""
+        if not self.replaced or self.replaced not in feeds:
+            return feeds
+        feeds = dict(feeds)
+        keep = np.asarray(feeds.pop(self.replaced))[0].astype(bool)
+        total = keep.shape[0]
+        seq = int(ctx.options.get("seq_len") or _feed_seq(feeds) or total)
+        past = total - seq
+        visible = (np.arange(total)[None, :] <= past + np.arange(seq)[:, None]) & keep[None, :]
+        feeds[NAME] = np.where(visible, 0.0, self.value).astype(np.float32)[None, None]
+        return feeds
+
+
+def _seq_dim(graph: gs.Graph):
+    ids = next((t for t in graph.inputs if t.name == "input_ids"), None)
+    return ids.shape[1] if ids is not None and ids.shape is not None else "sequence_length"
+
+
+def _has_cache(graph: gs.Graph) -> bool:
+    return any("past" in t.name or "cache" in t.name for t in graph.inputs)
+
+
+def _feed_seq(feeds: dict) -> int | None:
+    for name in ("input_ids", "hidden_states"):
+        if name in feeds:
+            return np.asarray(feeds[name]).shape[1]
+    return None
