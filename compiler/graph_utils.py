@@ -118,6 +118,12 @@ def bypass(graph: gs.Graph, node: gs.Node, source: gs.Tensor | None = None) -> N
     node.inputs.clear()
 
 
+def keep_inputs(node: gs.Node, n: int) -> None:
+    """Drop every input of `node` after the first `n` (graphsurgeon lists have no slice delete)."""
+    while len(node.inputs) > n:
+        node.inputs.pop()
+
+
 class Names:
     """Fresh node and tensor names for one pass run: `<base>/<suffix>`, numbered on clashes."""
 
