@@ -13,7 +13,8 @@ Matched (anchor: each Softmax):
 
 Emitted: a graph input `attention_mask` float32 [1, 1, T, C+T] (T = seq_len, C = cache_len, 0
 without cache), 0 where a key is visible and `mask_value` (default -100, finite) where it is not,
-feeding every site's Add. The row guards that zero fully-masked rows go (attention pass), and
+feeding every site's Add. The guards that zero fully-masked rows, Where(c, 0, x) with c derived
+from the mask, go (a finite mask has no fully-masked row), and
 the 2-D input is removed — unless something else still reads it (unbound shapes: a miss says so).
 """
 
@@ -23,7 +24,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.pass_api import Context, Miss, Pass, PassResult, register
-from mtkc.pattern import Emit, replace_uses
+from mtkc.pattern import Emit, replace_uses, values_of
 from mtkc.passes.attention import drop_row_guards
 
 NAME = "attention_mask"
@@ -95,7 +96,7 @@ class Mask(Pass):
             result.rewrites += 1
         if new is None:
             return result
-        result.rewrites += drop_row_guards(graph)
+        result.rewrites += drop_row_guards(graph) + _drop_guards(graph, derived)
         graph.cleanup().toposort()
         readers = [n.name for n in old.outputs]
         if readers:
@@ -131,6 +132,21 @@ class Mask(Pass):
         visible = (np.arange(total)[None, :] <= past + np.arange(seq)[:, None]) & keep[None, :]
         feeds[NAME] = np.where(visible, 0.0, self.value).astype(np.float32)[None, None]
         return feeds
+
+
+def _drop_guards(graph: gs.Graph, derived: set[int]) -> int:
+    """Where(c, 0, x) -> x when c derives from the mask and x does not: a fully-masked-row guard."""
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "Where" or not node.outputs or node.outputs[0] in graph.outputs:
+            continue
+        cond, zero, data = node.inputs
+        z = values_of(zero)
+        if id(cond) in derived and id(data) not in derived and z is not None and z.size == 1 and not z.any():
+            replace_uses(graph, node.outputs[0], data)
+            node.outputs.clear()
+            count += 1
+    return count
 
 
 def _seq_dim(graph: gs.Graph):

@@ -308,15 +308,16 @@ def _decompose(graph: gs.Graph, node: gs.Node) -> str | None:
     rank = len(x.shape) if x.shape is not None else None
     if rank not in (3, 4):
         return f"input rank {rank} unknown or not 3/4"
+    half = cos.shape[-1] if cos.shape is not None else None
     width = x.shape[-1]
-    if rank == 3:
-        if not heads or not isinstance(width, int):
-            return "3-D input needs num_heads and a static hidden size"
-        head = width // heads
+    if isinstance(half, int):
+        head = 2 * half
+    elif isinstance(width, int) and (rank == 4 or heads):
+        head = width if rank == 4 else width // heads
     else:
-        head = width if isinstance(width, int) else None
-        if head is None:
-            return "4-D input needs a static head size"
+        return "head size unknown (no static cos_cache width or hidden size)"
+    if rank == 3 and not heads:
+        return "3-D input needs num_heads"
     rot_dim = int(node.attrs.get("rotary_embedding_dim", 0))
     if rot_dim not in (0, head):
         return f"partial rotary ({rot_dim} of {head}) is not rewritten"
