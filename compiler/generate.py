@@ -1,0 +1,234 @@
+"""Reference host runtime: greedy generation through compiled prefill / decode graphs.
+
+What a device runtime does around MediaTek's LLM graphs, in numpy + onnxruntime, wired by
+`manifest.json`: host-side inputs (additive mask, positions or cos/sin `pos_emb`, embedding rows
+when the graph takes `hidden_states`), the KV cache, and the prefill -> decode hand-over.
+
+    prompt ──► prefill (T tokens per call; a short tail is padded and masked) ──► argmax
+           ──► decode (1 token per call) ──► argmax ──► ... until max_new_tokens or the cache is full
+
+Cache: C slots per layer, `valid[C]` says which hold a token. `cache_io="new"`: graphs return
+the T new entries and the runtime writes the valid ones at the next free slots; `"sliding"`:
+graphs return `concat(past, new)[T:]`, which is fed back as is (valid slides with it).
+Chunks (`prefill_0..N-1`) run in order; chunk k's `hidden_states_out` is chunk k+1's `hidden_states`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from mtkc.errors import InputError
+
+log = logging.getLogger("mtkc")
+
+DEFAULT_MASK_VALUE = -100.0
+_NAME = re.compile(r"^(prefill|decode)(?:_(\d+))?$")
+_PRESENT = re.compile(r"^present_(key|value)_(\d+)$")
+_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int32)": np.int32,
+          "tensor(int64)": np.int64, "tensor(bool)": np.bool_}
+
+
+@dataclass
+class Stage:
+    """One graph (one chunk of prefill or decode) and its I/O."""
+
+    name: str
+    session: ort.InferenceSession
+    inputs: dict[str, tuple[type, list[int]]]
+    outputs: list[str]
+
+    @property
+    def tokens(self) -> int:
+        for name in ("input_ids", "hidden_states", "position_ids", "pos_emb"):
+            if name in self.inputs:
+                return self.inputs[name][1][2 if name == "pos_emb" else 1]
+        raise InputError(f"graph '{self.name}': no input_ids / hidden_states / position_ids input")
+
+
+class Generator:
+    """Greedy decoding over the graphs a KV-cache compile wrote to `out_dir`."""
+
+    def __init__(self, out_dir: str | Path, mask_value: float | None = None):
+        self.root = Path(out_dir)
+        path = self.root / "manifest.json"
+        if not path.is_file():
+            raise InputError(f"{path}: no manifest.json (is this an `mtkc compile` output folder?)")
+        manifest = json.loads(path.read_text())
+        options = manifest.get("options") or {}
+        self.mask_value = float(mask_value if mask_value is not None else options.get("mask_value", DEFAULT_MASK_VALUE))
+        self.rope = options.get("rope") or {}
+        stages: dict[str, list[tuple[int, Stage]]] = {"prefill": [], "decode": []}
+        for graph in manifest.get("graphs", []):
+            m = _NAME.match(graph["name"])
+            if m:
+                stages[m[1]].append((int(m[2] or 0), self._stage(graph)))
+        if not stages["prefill"] or not stages["decode"]:
+            raise InputError(f"{path}: no prefill/decode graphs; compile a KV-cache model (--kv-cache)")
+        self.prefill = [s for _, s in sorted(stages["prefill"], key=lambda x: x[0])]
+        self.decode = [s for _, s in sorted(stages["decode"], key=lambda x: x[0])]
+        self._layout(options.get("cache_io"))
+        self.embedding = self._embedding(manifest) if "hidden_states" in self.prefill[0].inputs else None
+        self.stop_reason: str | None = None
+
+    def _stage(self, graph: dict) -> Stage:
+        path = self.root / graph["path"]
+        if not path.is_file():
+            raise InputError(f"{path}: graph '{graph['name']}' listed in the manifest is missing")
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        inputs = {}
+        for x in session.get_inputs():
+            if not all(isinstance(d, int) for d in x.shape):
+                raise InputError(f"{path}: input '{x.name}' has a dynamic shape {x.shape}")
+            inputs[x.name] = (_TYPES.get(x.type, np.float32), list(x.shape))
+        return Stage(graph["name"], session, inputs, [o.name for o in session.get_outputs()])
+
+    def _layout(self, cache_io: str | None) -> None:
+        """Cache length C, per-layer cache shapes, and whether presents are new entries or the slid cache."""
+        shapes = {}
+        for stage in self.prefill + self.decode:
+            for name, (_, shape) in stage.inputs.items():
+                if name.startswith("past_"):
+                    shapes[name] = shape
+        if not shapes:
+            raise InputError(f"{self.root}: the graphs have no past_key_<i>/past_value_<i> inputs")
+        self.cache_shapes = shapes
+        self.cache_len = next(iter(shapes.values()))[2]
+        if cache_io is None:
+            t = self.prefill[0].tokens
+            present = next((o for o in self.prefill[0].outputs if _PRESENT.match(o)), None)
+            dims = self.prefill[0].session.get_outputs()[self.prefill[0].outputs.index(present)].shape if present else None
+            cache_io = "sliding" if dims and dims[2] == self.cache_len and t != self.cache_len else "new"
+        self.cache_io = cache_io
+
+    def _embedding(self, manifest: dict) -> np.ndarray:
+        host = manifest.get("host") or {}
+        entry = host.get("embedding") if isinstance(host, dict) else None
+        if not entry:
+            raise InputError(f"{self.root}: graphs take hidden_states but the manifest names no host embedding table")
+        path = self.root / (entry["path"] if isinstance(entry, dict) else entry)
+        if path.suffix == ".npy":
+            return np.load(path, mmap_mode="r")
+        shape = entry["shape"]
+        return np.memmap(path, dtype=np.dtype(entry.get("dtype", "float32")), mode="r", shape=tuple(shape))
+
+    # ------------------------------------------------------------------ generation
+
+    def reset(self) -> None:
+        self.cache = {name: np.zeros(shape, np.float32) for name, shape in self.cache_shapes.items()}
+        self.valid = np.zeros(self.cache_len, bool)
+        self.filled = 0  # tokens whose K/V are in the cache (also the next position)
+        self.stop_reason = None
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        """Greedy tokens after `prompt_ids`; fewer when the cache fills (see `stop_reason`)."""
+        prompt = [int(x) for x in prompt_ids]
+        if not prompt:
+            raise InputError("--prompt-ids: the prompt is empty")
+        self.reset()
+        if max_new_tokens <= 0:
+            return []
+        t = self.prefill[0].tokens
+        for start in range(0, len(prompt), t):
+            if not self.fits(t, len(prompt[start:start + t])):
+                raise InputError(f"prompt of {len(prompt)} tokens does not fit the cache of {self.cache_len} "
+                                 f"({self.cache_io} cache, {t} tokens per prefill call)")
+            logits = self.step(self.prefill, prompt[start:start + t])
+        out = [int(np.argmax(logits[-1]))]
+        while len(out) < max_new_tokens:
+            if not self.fits(1, 1):
+                self.stop_reason = (f"cache full: {self.filled} tokens fill cache_len {self.cache_len}; "
+                                    f"stopped after {len(out)} of {max_new_tokens} new tokens")
+                log.warning("mtkc: %s", self.stop_reason)
+                break
+            logits = self.step(self.decode, out[-1:])
+            out.append(int(np.argmax(logits[-1])))
+        return out
+
+    def fits(self, t: int, k: int) -> bool:
+        """Whether a call of `k` tokens (padded to `t`) keeps every cached token."""
+        if self.cache_io == "sliding":
+            return not self.valid[:t].any()
+        return self.filled + k <= self.cache_len
+
+    def step(self, stages: list[Stage], tokens: list[int]) -> np.ndarray:
+        """Run `tokens` (at most T) through one prefill or decode pass; returns their logits [k, V]."""
+        t, k, c = stages[0].tokens, len(tokens), self.cache_len
+        ids = np.zeros((1, t), np.int64)
+        ids[0, :k] = tokens
+        positions = self.filled + np.minimum(np.arange(t), k - 1)
+        feeds = {"input_ids": ids, "position_ids": positions[None].astype(np.int64),
+                 "attention_mask": None, "pos_emb": None}
+        hidden = None
+        for stage in stages:
+            feed = {}
+            for name, (dtype, shape) in stage.inputs.items():
+                if name.startswith("past_"):
+                    value = self.cache[name]
+                elif name == "hidden_states":
+                    value = hidden if hidden is not None else self.embedding[ids[0]][None]
+                elif name == "attention_mask":
+                    value = self._mask(shape, k, t)
+                elif name == "pos_emb":
+                    value = self._pos_emb(positions, shape[-1])
+                elif name in feeds:
+                    value = feeds[name]
+                else:
+                    raise InputError(f"graph '{stage.name}': unknown input '{name}'")
+                value = np.asarray(value, dtype=dtype)
+                feed[name] = value.reshape(shape) if shape else value
+            result = dict(zip(stage.outputs, stage.session.run(stage.outputs, feed)))
+            hidden = result.get("hidden_states_out")
+            self._update(result, k, t)
+            logits = result.get("logits")
+        self._advance(k, t)
+        return logits[0, :k]
+
+    def _mask(self, shape: list[int], k: int, t: int) -> np.ndarray:
+        c = self.cache_len
+        if len(shape) == 2:  # the export's own int mask [1, C+T]: 1 = attend
+            return np.concatenate([self.valid, np.arange(t) < k])[None]
+        mask = np.full((t, c + t), self.mask_value, np.float32)
+        mask[:, :c][:, self.valid] = 0.0
+        causal = np.tril(np.ones((t, t), bool)) & (np.arange(t) < k)[None, :]
+        mask[:, c:][causal] = 0.0
+        return mask[None, None]
+
+    def _pos_emb(self, positions: np.ndarray, head_dim: int) -> np.ndarray:
+        """cos/sin [1,2,T,D] in rotate-half layout, from the manifest's rope settings."""
+        theta = float(self.rope.get("theta", 10000.0))
+        inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+        freqs = positions[:, None].astype(np.float64) * inv_freq[None] * float(self.rope.get("scaling", 1.0))
+        emb = np.concatenate([freqs, freqs], axis=-1)
+        return np.stack([np.cos(emb), np.sin(emb)])[None].astype(np.float32)
+
+    def _update(self, result: dict[str, np.ndarray], k: int, t: int) -> None:
+        for name, value in result.items():
+            m = _PRESENT.match(name)
+            if not m:
+                continue
+            past = f"past_{m[1]}_{m[2]}"
+            if self.cache_io == "sliding":
+                self.cache[past] = value
+            else:
+                self.cache[past][:, :, self.filled:self.filled + k] = value[:, :, :k]
+
+    def _advance(self, k: int, t: int) -> None:
+        if self.cache_io == "sliding":
+            self.valid = np.concatenate([self.valid, np.arange(t) < k])[t:]
+        else:
+            self.valid[self.filled:self.filled + k] = True
+        self.filled += k
+
+
+def generate(out_dir: str | Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy generation through the compiled graphs in `out_dir` (see `Generator`)."""
+    return Generator(out_dir).generate(prompt_ids, max_new_tokens)

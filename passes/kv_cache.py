@@ -1,0 +1,408 @@
+"""KV cache: a decoder export -> static prefill / decode graphs over a fixed-size cache.
+
+NOTE for compile / the pass manager (helper P) -- how variants work:
+  `variants(graph, options)` says which graphs one compile produces: `[Variant("model", {})]`
+  for a model without KV cache, else one pipeline run per variant with these option overrides:
+      prefill: seq_len=T (options seq_len, default 128)    decode: seq_len=1
+      both:    cache_len=C (default 512), kv_cache=True, variant, cache_io, chunks=N, chunk=k
+  Graph names: `prefill`, `decode`; with `--chunks N > 1`: `prefill_0..N-1`, `decode_0..N-1`.
+  KV mode is on when `options["kv_cache"]` is True, or None (auto) and the model has cache inputs.
+  Pipeline order: `kv-cache` FIRST (before bind-shapes: it binds the LLM I/O itself and, in a
+  no-cache export, inserts the past concat while shapes are still computed by Shape ops);
+  `kv-cache-io` and `layer-chunks` LAST (after the final fold/cleanup: they cut on a settled graph).
+
+Three passes, one idea (the cache contract of MediaTek's LLM runtime, ExecuTorch mediatek/):
+
+* `kv-cache` finds each layer's cache concat and names the graph I/O:
+
+      past_key_values.{i}.key ──► [Identity | Concat(1 input)]* ──► Concat(axis=2) ◄── K after RoPE
+      (legacy/dynamo/optimum;  input.cache.layers.{i}.keys (hf);  past_key_{i})   │
+                                                                                  ▼
+                                                          present.{i}.key ─► attention
+  ->  inputs  input_ids [1,T] | hidden_states [1,T,H], attention_mask [1,C+T] (int, as exported)
+              or [1,1,T,C+T] (additive), position_ids [1,T] | pos_emb [1,2,T,D],
+              past_key_<i> / past_value_<i> [1,Hkv,C,D];
+      outputs logits [1,T,V], present_key_<i> / present_value_<i> = the concat [1,Hkv,C+T,D].
+  In an export without cache I/O, K and V are cut where they enter attention (after RoPE, before
+  repeat_kv) and `Concat(past, new, axis=2)` is inserted. Refuses (InputError) a model with neither.
+
+* `kv-cache-io` makes the present outputs what the runtime keeps (`cache_io`):
+      new      present_<kv>_<i> = the concat's `new` input      [1,Hkv,T,D] (runtime writes it in)
+      sliding  present_<kv>_<i> = Slice(concat, T:C+T, axis 2)  [1,Hkv,C,D] (runtime feeds it back)
+
+* `layer-chunks` keeps chunk k of N equal layer ranges: the residual stream tensor entering the
+  chunk's first layer becomes input `hidden_states`, the one leaving its last layer output
+  `hidden_states_out` (embedding stays in chunk 0, final norm + lm_head in chunk N-1). Layer
+  boundaries are the dominators of the logits (paths from the token input, ignoring Shape
+  edges) that dominate layer i's cache concat.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import networkx as nx
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from mtkc.errors import InputError
+from mtkc.pass_api import Context, NodeNames, Pass, PassResult, register
+
+DEFAULT_SEQ_LEN = 128
+DEFAULT_CACHE_LEN = 512
+CACHE_IO = ("new", "sliding")
+KINDS = ("key", "value")
+
+_PAST_NAMES = [
+    re.compile(r"^past_(?P<kind>key|value)_(?P<i>\d+)$"),
+    re.compile(r"^(?:past_key_values|past|input\.cache\.layers)[._](?P<i>\d+)[._](?P<kind>key|value)s?$"),
+]
+_PASS_THROUGH = ("Identity",)
+
+
+# ---------------------------------------------------------------------------- variants (compile)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One graph a compile produces: its manifest name and the option overrides of its run."""
+
+    name: str
+    options: dict = field(default_factory=dict)
+
+
+def variants(graph: gs.Graph, options: dict) -> list[Variant]:
+    """The graphs to produce: `model`, or prefill/decode (per chunk) for a KV-cache decoder."""
+    kv = options.get("kv_cache")
+    if kv is None:
+        kv = bool(past_inputs(graph))
+    if not kv:
+        return [Variant("model", {})]
+    seq_len = options.get("seq_len") or DEFAULT_SEQ_LEN
+    cache_len = options.get("cache_len") or DEFAULT_CACHE_LEN
+    cache_io = options.get("cache_io") or "new"
+    chunks = options.get("chunks") or 1
+    if cache_io not in CACHE_IO:
+        raise InputError(f"--cache-io {cache_io}: expected one of {', '.join(CACHE_IO)}")
+    if chunks < 1 or seq_len < 1 or cache_len < 1:
+        raise InputError(f"--chunks/--seq-len/--cache-len must be >= 1 (got {chunks}/{seq_len}/{cache_len})")
+    out = []
+    for variant, t in (("prefill", seq_len), ("decode", 1)):
+        for k in range(chunks):
+            name = variant if chunks == 1 else f"{variant}_{k}"
+            out.append(Variant(name, dict(kv_cache=True, variant=variant, seq_len=t, cache_len=cache_len,
+                                          cache_io=cache_io, chunks=chunks, chunk=k)))
+    return out
+
+
+# ---------------------------------------------------------------------------- finding the cache
+
+
+def past_inputs(graph: gs.Graph) -> dict[tuple[int, str], gs.Variable]:
+    """Cache inputs by (layer, "key"|"value"), recognised by exporter naming."""
+    found = {}
+    for tensor in graph.inputs:
+        for pattern in _PAST_NAMES:
+            m = pattern.match(tensor.name)
+            if m:
+                found[(int(m["i"]), m["kind"])] = tensor
+                break
+    return found
+
+
+def cache_concat(past: gs.Tensor) -> gs.Node | None:
+    """The `Concat(past, new, axis=2)` a cache input feeds, through Identity / 1-input Concat copies."""
+    tensor = past
+    for _ in range(8):
+        nxt = None
+        for node in tensor.outputs:
+            if node.op == "Concat" and len(node.inputs) == 2 and node.inputs[0] is tensor:
+                if node.attrs.get("axis") in (2, -2):
+                    return node
+            elif node.op in _PASS_THROUGH or (node.op == "Concat" and len(node.inputs) == 1):
+                nxt = node.outputs[0]
+        if nxt is None:
+            return None
+        tensor = nxt
+    return None
+
+
+def _dim(value, what: str) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise InputError(f"{what}: dimension {value!r} is not static; bind it with --input-shape") from None
+
+
+def _opts(ctx: Context) -> tuple[int, int, str]:
+    t = ctx.options.get("seq_len") or DEFAULT_SEQ_LEN
+    c = ctx.options.get("cache_len") or DEFAULT_CACHE_LEN
+    return t, c, ctx.options.get("cache_io") or "new"
+
+
+def _kv_on(ctx: Context) -> bool:
+    return bool(ctx.options.get("kv_cache"))
+
+
+# ---------------------------------------------------------------------------- kv-cache
+
+
+@register
+class KvCache(Pass):
+    name = "kv-cache"
+    description = "name the KV-cache I/O (past_key_<i> [1,Hkv,C,D], present_*), insert it in no-cache exports"
+
+    def applies(self, ctx: Context) -> bool:
+        return _kv_on(ctx)
+
+    def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
+        t, c, _ = _opts(ctx)
+        pasts = past_inputs(graph)
+        notes = []
+        if pasts:
+            layers = _existing_cache(graph, pasts)
+        else:
+            layers = insert_cache(graph)
+            notes.append(f"no cache I/O in the export: inserted past concat in {len(layers)} attention layers")
+        self.renames = _name_io(graph, layers, t, c)
+        return PassResult(rewrites=len(layers), notes=notes)
+
+    def map_feeds(self, feeds, ctx):
+        return {self.renames.get(k, k): v for k, v in feeds.items()}
+
+    def map_outputs(self, outputs, ctx):
+        return {self.renames.get(k, k): v for k, v in outputs.items()}
+
+
+@dataclass
+class LayerCache:
+    index: int
+    past: dict[str, gs.Variable]  # kind -> input
+    concat: dict[str, gs.Node]  # kind -> Concat(past, new, axis=2)
+
+
+def _existing_cache(graph: gs.Graph, pasts: dict) -> list[LayerCache]:
+    indices = sorted({i for i, _ in pasts})
+    if indices != list(range(len(indices))):
+        raise InputError(f"cache inputs cover layers {indices}; expected 0..{len(indices) - 1}")
+    layers = []
+    for i in indices:
+        layer = LayerCache(i, {}, {})
+        for kind in KINDS:
+            past = pasts.get((i, kind))
+            if past is None:
+                raise InputError(f"layer {i} has a past {KINDS[1 - KINDS.index(kind)]} input but no past {kind}")
+            concat = cache_concat(past)
+            if concat is None:
+                raise InputError(f"cache input '{past.name}': no Concat(past, new, axis=2) consumes it")
+            layer.past[kind], layer.concat[kind] = past, concat
+        layers.append(layer)
+    return layers
+
+
+def _name_io(graph: gs.Graph, layers: list[LayerCache], t: int, c: int) -> dict[str, str]:
+    """Contract names and static shapes for the LLM I/O; returns {old name: new name}."""
+    renames = {}
+
+    def rename(tensor: gs.Tensor, name: str) -> None:
+        if tensor.name != name:
+            renames[tensor.name] = name
+            tensor.name = name
+
+    presents = []
+    for layer in layers:
+        for kind in KINDS:
+            past, concat = layer.past[kind], layer.concat[kind]
+            what = f"cache input '{past.name}'"
+            hkv, d = _dim(past.shape[1], what), _dim(past.shape[3], what)
+            rename(past, f"past_{kind}_{layer.index}")
+            past.shape, past.dtype = [1, hkv, c, d], np.float32
+            out = concat.outputs[0]
+            rename(out, f"present_{kind}_{layer.index}")
+            out.shape, out.dtype = [1, hkv, c + t, d], np.float32
+            presents.append(out)
+    by_name = {tensor.name: tensor for tensor in graph.inputs}
+    for name, shape in (("input_ids", [1, t]), ("position_ids", [1, t])):
+        if name in by_name:
+            by_name[name].shape = shape
+    if "hidden_states" in by_name:
+        by_name["hidden_states"].shape = [1, t, by_name["hidden_states"].shape[-1]]
+    if "pos_emb" in by_name:
+        by_name["pos_emb"].shape = [1, 2, t, by_name["pos_emb"].shape[-1]]
+    mask = by_name.get("attention_mask")
+    if mask is not None:
+        mask.shape = [1, c + t] if len(mask.shape) == 2 else [1, 1, t, c + t]
+    logits = next((o for o in graph.outputs if o.name == "logits"), None)
+    if logits is None:
+        logits = graph.outputs[0]
+        rename(logits, "logits")
+    logits.shape = [1, t, _dim(logits.shape[-1], "output 'logits'")]
+    graph.outputs = [logits] + presents
+    return renames
+
+
+# ---------------------------------------------------------------------------- no-cache exports
+
+_LAYOUT = {"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Identity", "Cast", "Tile"}
+
+
+def insert_cache(graph: gs.Graph) -> list[LayerCache]:
+    """Cut K and V at each attention's entry and splice `Concat(past, new, axis=2)` in."""
+    raise InputError(
+        "model has no KV-cache inputs (past_key_values.*) and no attention (MatMul -> Softmax -> MatMul) "
+        "whose K/V could be cut; cannot build prefill/decode graphs"
+    )
+
+
+# ---------------------------------------------------------------------------- kv-cache-io
+
+
+def layer_caches(graph: gs.Graph) -> list[LayerCache]:
+    """The per-layer cache concats of a graph already through `kv-cache` (inputs past_<kv>_<i>)."""
+    pasts = {k: v for k, v in past_inputs(graph).items()}
+    layers: dict[int, LayerCache] = {}
+    for (i, kind), past in sorted(pasts.items()):
+        concat = cache_concat(past)
+        if concat is None:
+            raise InputError(f"cache input '{past.name}': no Concat(past, new, axis=2) consumes it")
+        layer = layers.setdefault(i, LayerCache(i, {}, {}))
+        layer.past[kind], layer.concat[kind] = past, concat
+    return [layers[i] for i in sorted(layers)]
+
+
+@register
+class KvCacheIo(Pass):
+    name = "kv-cache-io"
+    description = "present_* outputs: new entries [1,Hkv,T,D] (cache_io=new) or the slid cache [1,Hkv,C,D]"
+    idempotent = False
+
+    def applies(self, ctx: Context) -> bool:
+        return _kv_on(ctx)
+
+    def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
+        t, c, mode = _opts(ctx)
+        outputs = {o.name: o for o in graph.outputs}
+        names = NodeNames(graph)
+        rewrites = 0
+        for layer in layer_caches(graph):
+            for kind in KINDS:
+                name = f"present_{kind}_{layer.index}"
+                concat = layer.concat[kind]
+                full = concat.outputs[0]
+                if outputs.get(name) is not full:
+                    continue  # already rewritten, or a chunk without this layer
+                full.name = f"kv_{kind}_{layer.index}"
+                if mode == "new":
+                    present = concat.inputs[1]
+                    if present in graph.inputs or isinstance(present, gs.Constant):
+                        raise InputError(f"{full.name}: the new {kind} entries are not computed by the graph")
+                else:
+                    present = gs.Variable(name, np.float32, [1, full.shape[1], c, full.shape[3]])
+                    graph.nodes.append(gs.Node(
+                        "Slice", names.new(f"kv_cache/slide_{kind}_{layer.index}"),
+                        inputs=[full] + [gs.Constant(names.new(f"kv_cache/{n}_{kind}_{layer.index}"),
+                                                     np.array([v], np.int32))
+                                         for n, v in (("start", t), ("end", t + c), ("axis", 2))],
+                        outputs=[present]))
+                present.name = name
+                present.dtype = np.float32
+                present.shape = [1, full.shape[1], t if mode == "new" else c, full.shape[3]]
+                graph.outputs[graph.outputs.index(outputs[name])] = present
+                rewrites += 1
+        return PassResult(rewrites=rewrites)
+
+    def map_outputs(self, outputs, ctx):
+        t, c, mode = _opts(ctx)
+        mapped = {}
+        for name, value in outputs.items():
+            if name.startswith("present_"):
+                value = value[:, :, c:, :] if mode == "new" else value[:, :, t:, :]
+            mapped[name] = value
+        return mapped
+
+
+# ---------------------------------------------------------------------------- layer-chunks
+
+
+@register
+class LayerChunks(Pass):
+    name = "layer-chunks"
+    description = "keep chunk k of N equal decoder-layer ranges; hidden_states in / hidden_states_out out"
+    idempotent = False
+
+    def applies(self, ctx: Context) -> bool:
+        return _kv_on(ctx) and (ctx.options.get("chunks") or 1) > 1
+
+    def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
+        n, k = ctx.options.get("chunks") or 1, ctx.options.get("chunk") or 0
+        layers = layer_caches(graph)
+        if not layers or len(layers) % n:
+            raise InputError(f"--chunks {n} does not divide the model's {len(layers)} decoder layers evenly")
+        if not 0 <= k < n:
+            raise InputError(f"chunk {k} out of range for --chunks {n}")
+        per = len(layers) // n
+        first, last = k * per, (k + 1) * per
+        bounds = layer_boundaries(graph, layers)
+        keep = {f"present_{kind}_{i}" for i in range(first, last) for kind in KINDS}
+        outputs = [o for o in graph.outputs if o.name in keep]
+        if last < len(layers):
+            out = bounds[last]
+            out.name = "hidden_states_out"
+            out.dtype = out.dtype or np.float32
+            outputs.insert(0, out)
+        else:
+            outputs.insert(0, next(o for o in graph.outputs if o.name == "logits"))
+        if first > 0:
+            cut = bounds[first]
+            hidden = gs.Variable("hidden_states", cut.dtype or np.float32, cut.shape)
+            for node in list(cut.outputs):
+                for j, x in enumerate(node.inputs):
+                    if x is cut:
+                        node.inputs[j] = hidden
+            graph.inputs = [hidden] + [x for x in graph.inputs if x.name != "hidden_states"]
+        graph.outputs = outputs
+        graph.cleanup(remove_unused_graph_inputs=True)
+        return PassResult(rewrites=1, notes=[f"chunk {k}/{n}: layers {first}..{last - 1}"])
+
+
+def layer_boundaries(graph: gs.Graph, layers: list[LayerCache]) -> dict[int, gs.Variable]:
+    """Residual-stream tensor entering layer i, for every layer i (from the dominator tree)."""
+    sources = [x for x in graph.inputs if x.name in ("input_ids", "hidden_states")]
+    logits = next((o for o in graph.outputs if o.name == "logits"), None)
+    if not sources or logits is None or not logits.inputs:
+        raise InputError("layer chunks need a token input (input_ids or hidden_states) and a logits output")
+    dag = nx.DiGraph()
+    src, sink = "<src>", "<sink>"
+    for node in graph.nodes:
+        for out in node.outputs:
+            for user in out.outputs:
+                if user.op not in ("Shape", "Size"):
+                    dag.add_edge(id(node), id(user))
+    for node in sources[0].outputs:
+        dag.add_edge(src, id(node))
+    dag.add_edge(id(logits.inputs[0]), sink)
+    idom = nx.immediate_dominators(dag, src)
+    if sink not in idom:
+        raise InputError("logits are not computed from the token input")
+    chain, x = [], sink
+    while x != src:
+        x = idom[x]
+        chain.append(x)
+    on_chain = set(chain)
+    by_id = {id(node): node for node in graph.nodes}
+    bounds = {}
+    for layer in layers:
+        x = id(layer.concat["key"])
+        if x not in idom:
+            raise InputError(f"layer {layer.index}: its cache concat does not depend on the token input")
+        while x not in on_chain:
+            x = idom[x]
+        if x == src:
+            bounds[layer.index] = sources[0]
+            continue
+        node = by_id[x]
+        if len(node.outputs) != 1:
+            raise InputError(f"layer {layer.index}: boundary node '{node.name}' has {len(node.outputs)} outputs")
+        bounds[layer.index] = node.outputs[0]
+    return bounds
