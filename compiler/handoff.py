@@ -1,0 +1,323 @@
+"""Hand each NPU partition to a converter, capture what it says, and map failures back to nodes.
+
+Back ends, each driven only when present (never pretend a conversion ran):
+
+    --converter-cmd TEMPLATE     the user's command, one run per NPU partition
+    mtk_converter (Python)   ┐   MediaTek's chain: ONNX -> TFLite (op export spec of the SDK),
+    mtk_onnx_converter (CLI) ┴─► then ncc-tflite -> .dla; commands from the SDK table [converter]
+    neither / --no-convert       nothing runs; OUT/convert.sh holds the exact commands
+
+Templates are split with shlex first, then each token is filled in ({input} {output} {arch}
+{sdk} {input_names} {input_shapes} {onnx} {tflite} {dla}), and run without a shell. A failure is
+pinned on nodes: names found in the log, else op types found in the log, else bisection of the
+partition (prefixes of its topological order) with the converter as the oracle, bounded runs.
+Logs: OUT/logs/<graph>.<partition>.log; outputs: OUT/dla/.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import onnx
+import onnx_graphsurgeon as gs
+
+from mtkc.errors import ConverterError, InputError
+
+PLACEHOLDERS = ("input", "output", "arch", "sdk", "input_names", "input_shapes", "onnx", "tflite", "dla")
+SCRIPT = "convert.sh"
+PATH_KEYS = ("input", "output", "onnx", "tflite", "dla")
+OUT_MARK = "@MTKC_OUT@"  # stands for "$OUT" in convert.sh (shlex-safe characters)
+MAX_BISECT_RUNS = 12  # 2**12 nodes pinned to one
+
+# MediaTek's Python API, run in a child process so a crash in it cannot take mtkc down.
+PY_CONVERT = """\
+import sys, mtk_converter
+src, dst, spec, names, shapes = sys.argv[1:6]
+converter = mtk_converter.OnnxConverter.from_model_proto_file(
+    src, input_names=names.split(','),
+    input_shapes=[[int(d) for d in s.split(',') if d] for s in shapes.split(':')])
+converter.convert_to_tflite(output_file=dst, tflite_op_export_spec=spec)
+"""
+
+
+@dataclass
+class Backend:
+    """A named converter: its command templates (token lists) run in order per partition."""
+
+    name: str
+    steps: list[list[str]]
+    runnable: bool
+    reason: str = ""  # why it cannot run (when not runnable)
+
+
+@dataclass
+class Job:
+    graph: str
+    id: str
+    onnx: str  # relative to OUT
+    input_names: list[str]
+    input_shapes: list[list]
+
+    @property
+    def key(self) -> str:
+        return f"{self.graph}.{self.id}"
+
+    def values(self, out: Path | None) -> dict[str, str]:
+        """Placeholder values; paths absolute under `out`, or `"$OUT"/rel` for the script (out None)."""
+        path = (lambda rel: str(out / rel)) if out else (lambda rel: rel)
+        return {
+            "input": path(self.onnx),
+            "onnx": path(self.onnx),
+            "output": path(f"dla/{self.key}.dla"),
+            "dla": path(f"dla/{self.key}.dla"),
+            "tflite": path(f"dla/{self.key}.tflite"),
+            "input_names": ",".join(self.input_names),
+            "input_shapes": ":".join(",".join(str(d) for d in s) for s in self.input_shapes),
+        }
+
+
+@dataclass
+class Handoff:
+    """The manifest's `converter` section and the error to raise (after OUT is complete), if any."""
+
+    section: dict
+    error: ConverterError | None = None
+
+
+@dataclass
+class Outcome:
+    job: Job
+    exit_code: int
+    log: str
+    blame: dict = field(default_factory=dict)
+
+
+def jobs(manifest: dict) -> list[Job]:
+    """One job per NPU partition, in manifest order."""
+    return [
+        Job(g["name"], p["id"], p["path"], [i["name"] for i in p["inputs"]], [i["shape"] or [] for i in p["inputs"]])
+        for g in manifest.get("graphs", []) for p in g.get("partitions", []) if p["target"] == "npu"
+    ]
+
+
+def command_backend(template: str) -> Backend:
+    """The user's `--converter-cmd`; unknown placeholders are an InputError before anything runs."""
+    try:
+        tokens = shlex.split(template)
+    except ValueError as exc:
+        raise InputError(f"--converter-cmd: cannot split '{template}': {exc}") from None
+    if not tokens:
+        raise InputError("--converter-cmd: empty command")
+    _check_placeholders(tokens, "--converter-cmd")
+    runnable = bool(shutil.which(tokens[0]) or Path(tokens[0]).is_file())
+    return Backend("command", [tokens], runnable, "" if runnable else f"'{tokens[0]}' not found")
+
+
+def mediatek_backend(converter: Mapping[str, str]) -> Backend:
+    """MediaTek's chain from the SDK table's [converter] templates, Python API preferred."""
+    convert = shlex.split(converter.get("convert", ""))
+    compile_ = shlex.split(converter.get("compile", ""))
+    if not convert or not compile_:
+        return Backend("mediatek", [t for t in (convert, compile_) if t], False, "the SDK table has no [converter] commands")
+    _check_placeholders(convert + compile_, "SDK table [converter]")
+    if not shutil.which(compile_[0]):
+        return Backend("mediatek", [convert, compile_], False, f"{compile_[0]} not found")
+    if importlib.util.find_spec("mtk_converter") is not None:
+        python = [sys.executable, "-c", PY_CONVERT, "{onnx}", "{tflite}", _export_spec(convert), "{input_names}", "{input_shapes}"]
+        return Backend("mediatek-python", [python, compile_], True)
+    if shutil.which(convert[0]):
+        return Backend("mediatek-cli", [convert, compile_], True)
+    return Backend("mediatek", [convert, compile_], False, f"neither mtk_converter (Python) nor {convert[0]} found")
+
+
+def run(
+    out: str | Path,
+    manifest: dict,
+    converter: Mapping[str, str] | None = None,
+    converter_cmd: str | None = None,
+    no_convert: bool = False,
+    max_bisect_runs: int = MAX_BISECT_RUNS,
+) -> Handoff:
+    """Write OUT/convert.sh, run the converter on every NPU partition when one is present."""
+    out = Path(out).resolve()
+    backend = command_backend(converter_cmd) if converter_cmd else mediatek_backend(converter or {})
+    todo = jobs(manifest)
+    context = {"arch": str(manifest.get("arch") or ""), "sdk": str(manifest.get("sdk") or "")}
+    _write_script(out / SCRIPT, backend, todo, context)
+    section = {"backend": backend.name, "commands": [shlex.join(s) for s in backend.steps], "script": SCRIPT}
+    if no_convert or not backend.runnable or not todo:
+        reason = "--no-convert" if no_convert else backend.reason if not backend.runnable else "no NPU partition"
+        return Handoff({**section, "ran": False, "reason": f"{reason}; run {SCRIPT} to convert"})
+    (out / "logs").mkdir(exist_ok=True)
+    (out / "dla").mkdir(exist_ok=True)
+    outcomes = []
+    for job in todo:
+        code, text = _execute(backend, job, out, context)
+        log = f"logs/{job.key}.log"
+        (out / log).write_text(text)
+        outcome = Outcome(job, code, log)
+        if code != 0:
+            outcome.blame = blame(out, job, text, lambda probe: _fails(backend, probe, out, context), max_bisect_runs)
+        outcomes.append(outcome)
+    section.update(ran=True, partitions=[_summary(o) for o in outcomes])
+    failed = [o for o in outcomes if o.exit_code != 0]
+    return Handoff(section, _error(failed) if failed else None)
+
+
+def blame(out: Path, job: Job, log: str, fails, max_runs: int = MAX_BISECT_RUNS) -> dict:
+    """The node(s) a failure is pinned on: named in the log, else by op type, else by bisection."""
+    proto = onnx.load(str(out / job.onnx), load_external_data=False)
+    ops = {n.name: n.op_type for n in proto.graph.node}
+    said = "\n".join(line for line in log.splitlines() if not line.startswith("$ "))  # not our own command line
+    tokens = set(re.findall(r"[^\s'\"`,;()\[\]{}<>=]+", said))
+    tokens |= {t.rstrip(":.") for t in tokens}
+    named = [n for n in ops if n in tokens]
+    if named:
+        return {"method": "log-node", "nodes": named, "ops": sorted({ops[n] for n in named})}
+    normal = {re.sub(r"[^A-Z0-9]", "", t.upper()) for t in tokens}
+    found = sorted({op for op in ops.values() if op.upper() in normal})
+    if found:
+        return {"method": "log-op", "nodes": [n for n, op in ops.items() if op in found], "ops": found}
+    return bisect(out, job, fails, max_runs)
+
+
+def bisect(out: Path, job: Job, fails, max_runs: int) -> dict:
+    """Smallest failing prefix of the partition's node order: its last node is the culprit.
+
+    A prefix of a topological order is convex, so each probe is a valid partition; weights stay
+    in the shared file (the probe is written beside it, in OUT, and removed).
+    """
+    from mtkc.model import load
+    from mtkc.partition import Partition
+    from mtkc.stitch import boundaries
+
+    graph = load(out / job.onnx).graph
+    nodes = list(graph.nodes)
+    lo, hi, runs = 1, len(nodes), 0
+    probe = Job(job.graph, f"{job.id}.bisect", f".bisect.{job.key}.onnx", [], [])
+    try:
+        while lo < hi and runs < max_runs:
+            mid = (lo + hi) // 2
+            (inputs, outputs), _ = boundaries(graph, [Partition("a", "npu", nodes[:mid]), Partition("b", "npu", nodes[mid:])])
+            sub = gs.Graph(nodes=nodes[:mid], inputs=inputs, outputs=outputs, opset=graph.opset,
+                           import_domains=graph.import_domains, name=graph.name)
+            onnx.save(gs.export_onnx(sub, do_type_check=False), out / probe.onnx)
+            probe.input_names = [t.name for t in inputs]
+            probe.input_shapes = [list(t.shape or []) for t in inputs]
+            runs += 1
+            if fails(probe):
+                hi = mid
+            else:
+                lo = mid + 1
+    finally:
+        (out / probe.onnx).unlink(missing_ok=True)
+    culprits = nodes[lo - 1:hi]
+    return {"method": "bisect", "runs": runs, "nodes": [n.name for n in culprits], "ops": sorted({n.op for n in culprits})}
+
+
+def _fails(backend: Backend, probe: Job, out: Path, context: dict) -> bool:
+    """Converter as an oracle on a bisection probe; its outputs are removed."""
+    code, _ = _execute(backend, probe, out, context)
+    for key in ("dla", "tflite"):
+        (out / probe.values(None)[key]).unlink(missing_ok=True)
+    return code != 0
+
+
+def _execute(backend: Backend, job: Job, out: Path, context: dict) -> tuple[int, str]:
+    """Run every step for one job; the log text holds each command, its output and exit code."""
+    values = {**context, **job.values(out)}
+    lines = []
+    for step in backend.steps:
+        argv = [token.format_map(values) for token in step]
+        lines.append(f"$ {shlex.join(argv)}")
+        try:
+            proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+        except OSError as exc:
+            lines.append(f"cannot run {argv[0]}: {exc.strerror or exc}")
+            return 127, "\n".join(lines) + "\nexit code: 127\n"
+        lines.append(proc.stdout.rstrip("\n"))
+        lines.append(f"exit code: {proc.returncode}")
+        if proc.returncode != 0:
+            return proc.returncode, "\n".join(lines) + "\n"
+    if not (out / f"dla/{job.key}.dla").exists() and any("{output}" in t or "{dla}" in t for s in backend.steps for t in s):
+        lines.append("converter exited 0 but wrote no output file")
+        return 1, "\n".join(lines) + "\n"
+    return 0, "\n".join(lines) + "\n"
+
+
+def _write_script(path: Path, backend: Backend, todo: list[Job], context: dict) -> None:
+    """convert.sh: the exact commands, paths relative to the script's folder ("$OUT"), no mtkc needed."""
+    lines = [
+        "#!/bin/sh",
+        f"# Written by mtkc: converts each NPU partition ({backend.name} back end).",
+        "set -e",
+        'OUT="$(cd "$(dirname "$0")" && pwd)"',
+        'mkdir -p "$OUT/dla"',
+    ]
+    for job in todo:
+        values = {**context, **job.values(None)}
+        values.update((k, f"{OUT_MARK}/{values[k]}") for k in PATH_KEYS)
+        lines.append(f"# {job.graph}/{job.id}")
+        for step in backend.steps:
+            lines.append(" ".join(_sh(t.format_map(values)) for t in step))
+    path.write_text("\n".join(lines) + "\n")
+    path.chmod(0o755)
+
+
+def _sh(text: str) -> str:
+    """Shell-quote one argument, letting OUT_MARK expand as "$OUT"."""
+    if OUT_MARK not in text:
+        return shlex.quote(text)
+    return '"$OUT"'.join(shlex.quote(piece) if piece else "" for piece in text.split(OUT_MARK))
+
+
+def _check_placeholders(tokens: list[str], where: str) -> None:
+    dummy = {k: "x" for k in PLACEHOLDERS}
+    for token in tokens:
+        try:
+            token.format_map(dummy)
+        except KeyError as exc:
+            raise InputError(f"{where}: unknown placeholder {{{exc.args[0]}}}; known: "
+                             + " ".join(f"{{{p}}}" for p in PLACEHOLDERS)) from None
+        except (ValueError, IndexError):
+            raise InputError(f"{where}: malformed braces in '{token}'") from None
+
+
+def _export_spec(convert: list[str]) -> str:
+    """The TFLite op export spec named in the table's convert command (`npsdk_vN`)."""
+    for k, token in enumerate(convert):
+        if token.startswith("--tflite_op_export_spec"):
+            return token.partition("=")[2] or convert[k + 1]
+    return "builtin_first"
+
+
+def _summary(o: Outcome) -> dict:
+    item = {"graph": o.job.graph, "id": o.job.id, "exit_code": o.exit_code, "log": o.log}
+    if o.exit_code == 0:
+        item["output"] = f"dla/{o.job.key}.dla"
+    else:
+        item["blame"] = o.blame
+    return item
+
+
+def _error(failed: list[Outcome]) -> ConverterError:
+    first = failed[0]
+    more = f"; {len(failed) - 1} more partition(s) failed" if len(failed) > 1 else ""
+    nodes = first.blame.get("nodes", [])
+    if not nodes:
+        return ConverterError(f"converter failed on partition {first.job.graph}/{first.job.id} "
+                              f"(exit {first.exit_code}); see {first.log}{more}")
+    shown = ", ".join(f"'{n}'" for n in nodes[:3]) + (f" (+{len(nodes) - 3} more)" if len(nodes) > 3 else "")
+    how = {"log-node": "named in its log", "log-op": "op type named in its log", "bisect": "found by bisection"}
+    return ConverterError(
+        f"converter failed on partition {first.job.graph}/{first.job.id} (exit {first.exit_code}) at node {shown} "
+        f"[{'/'.join(first.blame.get('ops', []))}, {how.get(first.blame.get('method'), '?')}]; see {first.log}{more}"
+    )

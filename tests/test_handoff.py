@@ -1,0 +1,146 @@
+"""Converter hand-off: convert.sh, the stand-in converter, failures pinned on the right node."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from mtkc import handoff
+from mtkc.capability import load_table
+from mtkc.errors import InputError
+from mtkc.manifest import graph_entry
+from mtkc.model import load
+from mtkc.partition import name_nodes, partition, place
+from mtkc.stitch import cut
+from mtkc.weights import WeightWriter
+
+STANDIN = Path(__file__).with_name("standin_converter.py")
+STANDIN_CMD = f"{sys.executable} {STANDIN} --input {{input}} --output {{output}} --arch {{arch}} --sdk {{sdk}}"
+N = 32
+
+
+def small_model(path: Path) -> None:
+    """x -> MatMul -> Add -> Relu -> Sin -> Mul(relu, sin) -> Tanh -> MatMul -> y (Sin is not in the table)."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((N, N)).astype(np.float32), n) for n in ("w1", "w2")]
+    inits.append(numpy_helper.from_array(rng.standard_normal((N,)).astype(np.float32), "b"))
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+        helper.make_node("Add", ["h", "b"], ["hb"], name="add"),
+        helper.make_node("Relu", ["hb"], ["r"], name="relu"),
+        helper.make_node("Sin", ["r"], ["s"], name="sin"),
+        helper.make_node("Mul", ["r", "s"], ["m"], name="mul"),
+        helper.make_node("Tanh", ["m"], ["t"], name="tanh"),
+        helper.make_node("MatMul", ["t", "w2"], ["y"], name="mm2"),
+    ]
+    graph = helper.make_graph(nodes, "small", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, N])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, N])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(onnx.shape_inference.infer_shapes(model), path)
+
+
+def build_out(tmp_path: Path, sdk: str = "8.0") -> tuple[Path, dict]:
+    src = tmp_path / "src"
+    src.mkdir()
+    small_model(src / "model.onnx")
+    model = load(src / "model.onnx")
+    graph = model.graph
+    name_nodes(graph)
+    table = load_table(sdk)
+    parts, placements = partition(graph, place(graph, lambda n: table.verdict(n, graph.opset)))
+    pieces = cut(graph, parts, placements, "model")
+    out = tmp_path / "out"
+    out.mkdir()
+    with WeightWriter(out, "weights.bin") as writer:
+        writer.export(graph, model.root, out / "model.onnx")
+        for piece in pieces:
+            writer.export(piece.graph, model.root, out / piece.entry["path"])
+    manifest = {"sdk": table.version, "arch": table.arch,
+                "graphs": [graph_entry("model", "model.onnx", graph, [p.entry for p in pieces])]}
+    return out, manifest
+
+
+def test_partitions_of_the_small_model(tmp_path):
+    out, manifest = build_out(tmp_path)
+    parts = manifest["graphs"][0]["partitions"]
+    assert [(p["id"], p["nodes"]) for p in parts] == [
+        ("npu0", ["mm1", "add", "relu"]), ("cpu1", ["sin"]), ("npu2", ["mul", "tanh", "mm2"])]
+    assert parts[1]["cpu_reasons"]["sin"].startswith("op-unsupported: SIN")
+    assert parts[2]["inputs"] == [{"name": "r", "dtype": "float32", "shape": [1, N], "from": "npu0"},
+                                  {"name": "s", "dtype": "float32", "shape": [1, N], "from": "cpu1"}]
+    assert (out / "weights.bin").stat().st_size >= 2 * N * N * 4  # w1, w2 external, stored once
+
+
+def test_no_converter_writes_script_and_says_so(tmp_path, monkeypatch):
+    out, manifest = build_out(tmp_path)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    result = handoff.run(out, manifest, load_table("8.0").converter)
+    assert result.error is None
+    assert result.section["ran"] is False and "ncc-tflite not found" in result.section["reason"]
+    script = (out / "convert.sh").read_text()
+    assert ('mtk_onnx_converter --input_model_file "$OUT"/model.npu0.onnx --output_file "$OUT"/dla/model.npu0.tflite'
+            in script)
+    assert "ncc-tflite --arch=mdla5.3 --relax-fp32 -O3" in script and "model.cpu1" not in script
+    assert not (out / "logs").exists()
+
+
+def test_no_convert_flag_with_standin_script_runs_by_hand(tmp_path):
+    out, manifest = build_out(tmp_path)
+    result = handoff.run(out, manifest, converter_cmd=STANDIN_CMD, no_convert=True)
+    assert result.section["ran"] is False and result.section["reason"].startswith("--no-convert")
+    assert not (out / "dla").exists()
+    proc = subprocess.run(["sh", str(out / "convert.sh")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads((out / "dla" / "model.npu2.dla").read_text())
+    assert "NOT a DLA" in record["standin"] and record["ops"] == {"MatMul": 1, "Mul": 1, "Tanh": 1}
+
+
+def test_standin_converts_every_npu_partition(tmp_path):
+    out, manifest = build_out(tmp_path)
+    result = handoff.run(out, manifest, converter_cmd=STANDIN_CMD)
+    assert result.error is None, result.error
+    assert result.section["ran"] is True
+    assert [(p["id"], p["exit_code"], p["output"]) for p in result.section["partitions"]] == [
+        ("npu0", 0, "dla/model.npu0.dla"), ("npu2", 0, "dla/model.npu2.dla")]
+    assert "standin-converter: ok, 3 nodes checked" in (out / "logs" / "model.npu0.log").read_text()
+
+
+@pytest.mark.parametrize("extra, method, nodes", [
+    ("--reject-op Tanh", "log-node", ["tanh"]),
+    ("--reject-op Tanh --style terse", "log-op", ["tanh"]),
+    ("--reject-node mm2 --style opaque", "bisect", ["mm2"]),
+    ("--reject-node mul --style opaque", "bisect", ["mul"]),
+])
+def test_injected_failure_is_pinned_on_the_node(tmp_path, extra, method, nodes):
+    out, manifest = build_out(tmp_path)
+    result = handoff.run(out, manifest, converter_cmd=f"{STANDIN_CMD} {extra}")
+    assert result.section["partitions"][0]["exit_code"] == 0
+    failed = result.section["partitions"][1]
+    assert failed["id"] == "npu2" and failed["exit_code"] == 1
+    assert failed["blame"]["method"] == method and failed["blame"]["nodes"] == nodes
+    message = str(result.error)
+    assert result.error.exit_code == 3
+    assert f"partition model/npu2 (exit 1) at node '{nodes[0]}'" in message and "logs/model.npu2.log" in message
+    if method == "bisect":
+        assert failed["blame"]["runs"] <= 2
+        assert not list(out.glob(".bisect*")) and not list((out / "dla").glob("*bisect*"))
+
+
+def test_bad_templates_are_input_errors(tmp_path):
+    with pytest.raises(InputError, match=r"unknown placeholder \{model\}"):
+        handoff.command_backend("conv {model} {output}")
+    with pytest.raises(InputError, match="empty command"):
+        handoff.command_backend("  ")
+
+
+def test_missing_converter_program_fails_with_exit_3(tmp_path):
+    out, manifest = build_out(tmp_path)
+    result = handoff.run(out, manifest, converter_cmd=f"{tmp_path}/no-such-tool {{input}}")
+    assert result.section["ran"] is False and "not found" in result.section["reason"]
