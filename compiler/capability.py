@@ -4,15 +4,18 @@ A table is a TOML file `opsets/neuropilot-<ver>.toml` (read with importlib.resou
 its MDLA archs, its sources, table-wide defaults, and one entry per (domain, op type) built from a
 fixed vocabulary of constraint kinds, each an executable predicate:
 
+    host            {input, const_rows_over}: a lookup in a big table host-op (target "host")
+    max_rank        rank of every input and output                    rank-unsupported
     dtypes          allowed dtypes of every input and output        dtype-unsupported
     input_dtypes    {"<index>": [...]}: overrides `dtypes` for one input
-    max_rank        rank of every input and output                    rank-unsupported
     static_shapes   every input/output dim is a known integer         shape-dynamic
     const_inputs    these input indices must be constants             input-not-constant
     attributes      {name: [allowed values]}; [] = must be absent     attribute-unsupported
     last_axis       this attribute (or `axes` input) is the last axis attribute-unsupported
     broadcast       "equal-rank": activation inputs share one rank    broadcast-unsupported
-    host            {input, const_rows_over}: a lookup in a big table host-op (target "host")
+
+A node's verdict is the first failing check, in this order (a lookup that moves to the host is
+not judged further; constants of lower rank may broadcast, the converter expands them).
 
 An entry with `supported = false` documents an op that never runs on the NPU (op-unsupported);
 an op without an entry is op-not-in-table; a domain no entry uses is unknown-domain. A table may
@@ -110,9 +113,14 @@ class Verdict:
     target: str  # "npu" | "cpu" | "host"
     reason: str | None = None
     detail: str | None = None
-    remedy: str | None = None
     passes: tuple[str, ...] = ()  # rewrite passes that address the reason
     first_sdk: str | None = None  # first later SDK whose table accepts the node
+    hint: str | None = None
+
+    @property
+    def remedy(self) -> str | None:
+        """'pass rope; --sdk 8.0; <hint>', or 'CPU fallback' when nothing helps."""
+        return None if self.supported else remedy_text(self.passes, self.first_sdk, self.hint)
 
 
 SUPPORTED = Verdict(True, "npu")
@@ -455,15 +463,14 @@ class Table:
         reason, detail, qualifier = failure
         remedy = self._remedy_for(node, reason, qualifier)
         first_sdk = self._first_sdk(node, opset, read_values)
-        passes = remedy.passes if remedy else ()
         return Verdict(
             supported=False,
             target="host" if reason == "host-op" else "cpu",
             reason=reason,
             detail=detail,
-            remedy=_remedy_text(passes, remedy.hint if remedy else None, first_sdk),
-            passes=passes,
+            passes=remedy.passes if remedy else (),
             first_sdk=first_sdk,
+            hint=remedy.hint if remedy else None,
         )
 
     def _remedy_for(self, node: gs.Node, reason: str, qualifier: str | None) -> Remedy | None:
@@ -497,7 +504,8 @@ class Table:
         return None
 
 
-def _remedy_text(passes: tuple[str, ...], hint: str | None, first_sdk: str | None) -> str:
+def remedy_text(passes: tuple[str, ...], first_sdk: str | None, hint: str | None = None) -> str:
+    """Passes (marked '(planned)' when not registered), the first SDK that accepts, the hint."""
     known = _registered_passes()
     parts = [f"pass {p}" + ("" if p in known else " (planned)") for p in passes]
     if first_sdk:
@@ -673,7 +681,7 @@ def _broadcast(node, c, opset, read_values):
     return None
 
 
-_CHECKS = (_host, _dtypes, _rank, _static, _const_inputs, _attributes, _last_axis, _broadcast)
+_CHECKS = (_host, _rank, _dtypes, _static, _const_inputs, _attributes, _last_axis, _broadcast)
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,17 +17,15 @@ from typing import Callable
 
 import numpy as np
 import onnx
-import onnx.numpy_helper
 import onnx_graphsurgeon as gs
 
-from mtkc import capability
+from mtkc import capability, shapes
 from mtkc.capability import Table, Verdict
 from mtkc.errors import InputError
 
 log = logging.getLogger("mtkc")
 
 SCHEMA_VERSION = 1
-SMALL_CONSTANT = 64  # integer constants up to this many elements are kept for data propagation
 
 # Symbolic dim names exporters use for the three roles (torch dynamic_axes, optimum, ORT tools).
 _NAMED = {
@@ -45,18 +43,21 @@ class Group:
 
     op: str
     domain: str
-    reason: str
-    detail: str
-    remedy: str
+    verdict: Verdict  # of the first node
     nodes: list[str] = field(default_factory=list)
+
+    @property
+    def reason(self) -> str:
+        return self.verdict.reason
 
     @property
     def count(self) -> int:
         return len(self.nodes)
 
     def to_json(self) -> dict:
-        return {"op": self.op, "domain": self.domain, "count": self.count, "reason": self.reason,
-                "detail": self.detail, "remedy": self.remedy, "nodes": list(self.nodes)}
+        v = self.verdict
+        return {"op": self.op, "domain": self.domain, "count": self.count, "reason": v.reason,
+                "detail": v.detail, "remedy": v.remedy, "nodes": list(self.nodes)}
 
 
 @dataclass
@@ -148,7 +149,7 @@ def assess(graph: gs.Graph, table: Table, opset: int | None = None,
         domain = node.domain or capability.DEFAULT_DOMAIN
         key = (node.op, domain, v.reason)
         if key not in groups:
-            groups[key] = Group(node.op, domain, v.reason, v.detail, v.remedy)
+            groups[key] = Group(node.op, domain, v)
         groups[key].nodes.append(node.name)
     if run:
         sizes.append(run)
@@ -247,58 +248,29 @@ def _resolve(dim, symbols: dict[str, int]):
 
 
 def annotate_shapes(graph: gs.Graph, root: Path | None = None) -> None:
-    """Fill every tensor's dtype/shape by ONNX shape inference on a weight-stripped copy.
-
-    Stand-in for `mtkc.shapes.infer` (helper G). Large initializers become typed graph inputs (no
-    weight is serialised or read); small integer constants stay, read when external, so shape
-    maths can be propagated. Existing value_info (bound by `bind_dims`) is kept.
-    """
-    proto = gs.export_onnx(graph, do_type_check=False)
-    tensors = graph.tensors()
-    kept, stripped = [], []
-    for init in proto.graph.initializer:
-        numel = int(np.prod(init.dims, dtype=np.int64))
-        small_int = numel <= SMALL_CONSTANT and init.data_type in _INT_TYPES
-        if small_int and init.data_location == onnx.TensorProto.EXTERNAL:
-            from mtkc.model import read_values
-
-            try:
-                kept.append(onnx.numpy_helper.from_array(read_values(tensors[init.name], root), init.name))
-                continue
-            except Exception:  # unreadable: let inference treat it as an unknown input
-                pass
-        elif small_int:
-            kept.append(init)
-            continue
-        stripped.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
-    del proto.graph.initializer[:]
-    proto.graph.initializer.extend(kept)
-    proto.graph.input.extend(stripped)
-    inferred = _infer(proto)
-    infos = {vi.name: vi for vi in list(inferred.graph.value_info) + list(inferred.graph.output)}
-    for name, t in tensors.items():
-        vi = infos.get(name)
-        if not isinstance(t, gs.Variable) or t in graph.inputs or vi is None:
-            continue
-        tt = vi.type.tensor_type
-        if not tt.elem_type:
-            continue
-        t.dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
-        if tt.HasField("shape"):
-            t.shape = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
-
-
-def _infer(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """onnxruntime's symbolic shape inference (propagates shape maths, knows com.microsoft ops);
-    ONNX's own inference with data propagation when it gives up."""
+    """Type every tensor: ONNX inference (`mtkc.shapes.infer`, weight-stripped), then, when the
+    graph inputs are fully bound but some tensor is still dynamic, onnxruntime's symbolic shape
+    inference, which follows the Shape/Gather/Concat/Expand chains of TorchScript exports that
+    ONNX data propagation gives up on (and knows com.microsoft ops)."""
+    shapes.infer(graph, root)
+    if not all(_static(t) for t in graph.inputs) or all(_static(t) for t in graph.tensors().values()):
+        return
     try:
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
-        return SymbolicShapeInference.infer_shapes(proto, auto_merge=True, guess_output_rank=False)
+        inferred = SymbolicShapeInference.infer_shapes(shapes.stripped_proto(graph, root), auto_merge=True)
     except Exception as exc:  # it raises bare Exceptions on ops it cannot handle
-        log.debug("symbolic shape inference failed (%s); using onnx shape inference", exc)
-        return onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)
+        log.debug("symbolic shape inference failed: %s", exc)
+        return
+    tensors = graph.tensors()
+    for vi in [*inferred.graph.value_info, *inferred.graph.output]:
+        t = tensors.get(vi.name)
+        if isinstance(t, gs.Variable) and not _static(t) and vi.type.HasField("tensor_type"):
+            dims = vi.type.tensor_type.shape.dim
+            if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
+                t.shape = [d.dim_value for d in dims]
+                t.dtype = t.dtype or onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
 
 
-_INT_TYPES = {onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.INT16, onnx.TensorProto.INT8,
-              onnx.TensorProto.UINT8, onnx.TensorProto.BOOL}
+def _static(t: gs.Tensor) -> bool:
+    return isinstance(t, gs.Constant) or (t.shape is not None and all(isinstance(d, int) for d in t.shape))

@@ -14,9 +14,11 @@ from mtkc.errors import MtkcError
 COMMANDS = [
     "mtkc.commands.check",
     "mtkc.commands.sdks",
+    "mtkc.commands.ops",
     "mtkc.commands.passes",
     "mtkc.commands.compile",
     "mtkc.commands.verify",
+    "mtkc.commands.generate",
 ]
 
 log = logging.getLogger("mtkc")

@@ -9,6 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from mtkc.capability import remedy_text
 from mtkc.check import CheckReport, check
 from mtkc.commands import options
 
@@ -60,7 +61,9 @@ def render(report: CheckReport) -> str:
         rows = [("op", "domain", "count", "reason", "remedy", "example nodes")]
         for g in a.groups:
             examples = ", ".join(g.nodes[:EXAMPLES]) + (", ..." if g.count > EXAMPLES else "")
-            rows.append((g.op, g.domain, str(g.count), g.reason, g.remedy, examples))
+            v = g.verdict  # the table shows passes/SDK; the hint is in --format json
+            remedy = remedy_text(v.passes, v.first_sdk) if v.passes or v.first_sdk else v.remedy
+            rows.append((g.op, g.domain, str(g.count), g.reason, remedy, examples))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines.append("")
         for r in rows:
