@@ -1,0 +1,146 @@
+"""legalize: small rewrites into the forms every NeuroPilot tier converts.
+
+    Neg(x)                          -> Mul(x, -1)      (LiteRT's MediaTek plugin has no NEG)
+    Pow(x, 2)                       -> Mul(x, x)       (MDLA restricts the POW exponent)
+    op(a[r], b[k<r]) elementwise    -> op(a, b') with b' rank r: constants reshaped in place
+                                       (external weights keep their bytes), runtime operands
+                                       through a static Reshape (MDLA rejects [1,S] * [1,S,1])
+    Add(MatMul(A[M,K], W[K,N]), b[N]) -> Gemm(A, W, b) when A is 2-D and the table has Gemm
+
+Refuses (Miss): Pow with another exponent, runtime operands without a static shape, MatMul+bias
+pairs whose activation is not 2-D (FULLY_CONNECTED lowering takes them as they are).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from mtkc import graph_utils as gu
+from mtkc.pass_api import Context, Miss, Pass, PassResult, register
+
+BROADCAST_OPS = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Mod", "Equal", "Less", "LessOrEqual", "Greater",
+                 "GreaterOrEqual", "And", "Or", "Xor", "Where", "PRelu", "BitShift"}
+
+
+def has_op(ctx: Context, op: str, domain: str = "") -> bool:
+    """The target table lists `op` (no table: assume it does)."""
+    table = ctx.table
+    return table is None or not hasattr(table, "has_op") or table.has_op(domain, op)
+
+
+@register
+class Legalize(Pass):
+    name = "legalize"
+    description = "Neg -> Mul(-1), Pow(x,2) -> x*x, equal-rank broadcasting, 2-D MatMul+bias -> Gemm"
+
+    def run(self, graph, ctx: Context) -> PassResult:
+        result = PassResult()
+        names = gu.Names(graph, self.name)
+        for node in list(graph.nodes):
+            if node.domain not in (None, "", "ai.onnx") or not node.outputs:
+                continue
+            if node.op == "Neg":
+                result.rewrites += _neg(node, names)
+            elif node.op == "Pow":
+                result.rewrites += _pow(node, ctx, names, result.misses)
+        reshaped: dict[tuple, gs.Tensor] = {}
+        for node in list(graph.nodes):
+            if node.op in BROADCAST_OPS and node.domain in (None, "", "ai.onnx"):
+                result.rewrites += _equal_rank(graph, node, names, reshaped, result.misses)
+        if has_op(ctx, "Gemm"):
+            for node in list(graph.nodes):
+                if node.op == "Add":
+                    result.rewrites += _gemm(graph, node, ctx, result.misses)
+        return result
+
+
+def _neg(node: gs.Node, names: gu.Names) -> int:
+    x = node.inputs[0]
+    dtype = gu.dtype_of(x)
+    if dtype is None or x.shape is None:
+        return 0
+    minus_one = gu.make_constant(names.new(f"{node.name}/minus_one"), np.full([1] * len(x.shape), -1, dtype=dtype))
+    node.op = "Mul"
+    node.inputs.append(minus_one)
+    return 1
+
+
+def _pow(node: gs.Node, ctx: Context, names: gu.Names, misses: list[Miss]) -> int:
+    exponent = gu.small_values(node.inputs[1], ctx)
+    if exponent is None or exponent.size != 1:
+        misses.append(Miss(node.name, "exponent is not a constant scalar"))
+        return 0
+    if float(exponent.reshape(-1)[0]) != 2.0:
+        misses.append(Miss(node.name, f"exponent {float(exponent.reshape(-1)[0])} is not 2"))
+        return 0
+    x = node.inputs[0]
+    node.op = "Mul"
+    node.inputs[1] = x
+    return 1
+
+
+def _equal_rank(graph: gs.Graph, node: gs.Node, names: gu.Names, reshaped: dict, misses: list[Miss]) -> int:
+    """Operands of lower rank than the output get leading 1s (one reshaped copy per operand)."""
+    out = node.outputs[0]
+    if out.shape is None:
+        return 0
+    rank = len(out.shape)
+    n = 0
+    for i, t in enumerate(node.inputs):
+        if t.is_empty() or t.shape is None or len(t.shape) >= rank:
+            continue
+        shape = [1] * (rank - len(t.shape)) + list(t.shape)
+        key = (id(t), rank)
+        if key in reshaped:
+            node.inputs[i] = reshaped[key]
+        elif gu.is_const(t):
+            node.inputs[i] = reshaped[key] = reshaped_constant(t, shape, names)
+        elif gu.static_shape(t) is not None:
+            const = gu.make_constant(names.new(f"{node.name}/rank{rank}"), shape, np.int64)
+            node.inputs[i] = reshaped[key] = gu.add_node(graph, names, node, "Reshape", [t, const], dtype=t.dtype,
+                                                         shape=shape, suffix=f"Reshape{i}")
+        else:
+            misses.append(Miss(node.name, f"operand '{t.name}' has rank {len(t.shape)} < {rank} and no static shape"))
+            continue
+        n += 1
+    return n
+
+
+def reshaped_constant(t: gs.Constant, shape: list[int], names: gu.Names) -> gs.Constant:
+    """A constant with the same bytes and a new shape; a lazy (external) one is not read."""
+    name = names.new(f"{t.name}/r{len(shape)}")
+    if gu.is_lazy(t):
+        proto = onnx.TensorProto()
+        proto.CopyFrom(t._values.tensor)
+        del proto.dims[:]
+        proto.dims.extend(shape)
+        proto.name = name
+        return gs.Constant(name, gs.ir.tensor.LazyValues(proto))
+    return gs.Constant(name, np.asarray(t.values).reshape(shape))
+
+
+def _gemm(graph: gs.Graph, add: gs.Node, ctx: Context, misses: list[Miss]) -> int:
+    matmul_out, bias = add.inputs
+    if gu.is_const(matmul_out):
+        matmul_out, bias = bias, matmul_out
+    producer = matmul_out.inputs[0] if len(matmul_out.inputs) == 1 else None
+    if producer is None or producer.op != "MatMul" or not gu.is_const(bias) or not gu.is_const(producer.inputs[1]):
+        return 0
+    a, w = producer.inputs
+    if a.shape is None or len(a.shape) != 2:
+        misses.append(Miss(add.name, f"MatMul activation '{a.name}' is rank {len(a.shape or [])}, Gemm needs 2-D"))
+        return 0
+    if len(w.shape) != 2 or len(matmul_out.outputs) != 1 or any(t is matmul_out for t in graph.outputs):
+        misses.append(Miss(add.name, "MatMul output has other consumers or the weight is not 2-D"))
+        return 0
+    if tuple(bias.shape) not in ((w.shape[1],), (1, w.shape[1])):
+        misses.append(Miss(add.name, f"bias shape {list(bias.shape)} is not [N]"))
+        return 0
+    add.op, add.attrs = "Gemm", {}
+    add.inputs.clear()
+    add.inputs.extend([a, w, bias])
+    producer.outputs.clear()
+    producer.inputs.clear()
+    return 1
