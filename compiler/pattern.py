@@ -290,11 +290,20 @@ class Emit:
     """Builds replacement nodes with unique names derived from the site they replace."""
 
     def __init__(self, graph: gs.Graph, prefix: str):
-        self.graph, self.prefix, self.count = graph, prefix, 0
+        self.graph, self.prefix = graph, prefix or "mtkc"
+        state = vars(graph)  # (graphsurgeon's __getattr__ would treat a missing name as an op)
+        if "_mtkc_names" not in state:  # built once per graph, then kept up to date
+            state["_mtkc_names"] = {t for n in graph.nodes for t in [n.name, *(o.name for o in n.outputs)]}
+        self.used: set[str] = state["_mtkc_names"]
 
     def name(self, what: str) -> str:
-        self.count += 1
-        return f"{self.prefix}/mtkc_{what}_{self.count}"
+        base = f"{self.prefix}/mtkc_{what}"
+        name, k = base, 0
+        while name in self.used:
+            k += 1
+            name = f"{base}_{k}"
+        self.used.add(name)
+        return name
 
     def const(self, what: str, values) -> gs.Constant:
         return gs.Constant(self.name(what), np.ascontiguousarray(values))
