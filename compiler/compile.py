@@ -29,7 +29,7 @@ from mtkc.pass_api import Context
 from mtkc.pass_manager import Pipeline, PassRecord, load_registry, resolve_pipeline, run_pipeline
 from mtkc.weights import WeightWriter
 
-# Compile options (keys of `options`; all optional). Those that shape the output go in the manifest.
+# Compile options (keys of `options`; all optional); all but RUN_OPTIONS go in the manifest.
 OUTPUT_OPTIONS = ("arch", "seq_len", "cache_len", "batch", "input_shapes", "passes", "skip_passes", "plugins")
 RUN_OPTIONS = ("verify_each", "overwrite")
 WEIGHTS_FILE = "weights.bin"  # shared by every graph written (each tensor stored once)
@@ -65,11 +65,9 @@ class CompileResult:
 
 
 def normalise(options: dict[str, Any] | None) -> dict[str, Any]:
-    """Every known option key present (None when not given); unknown keys -> InputError."""
+    """Every known option key present (None when not given); other keys are pass options
+    (e.g. `kv_cache`, `rope_mode`) and pass through unchanged."""
     options = dict(options or {})
-    unknown = sorted(set(options) - set(OUTPUT_OPTIONS) - set(RUN_OPTIONS))
-    if unknown:
-        raise InputError(f"unknown compile option '{unknown[0]}'; known: {', '.join(OUTPUT_OPTIONS + RUN_OPTIONS)}")
     for key in OUTPUT_OPTIONS + RUN_OPTIONS:
         options.setdefault(key, None)
     options["skip_passes"] = list(options["skip_passes"] or [])
@@ -106,7 +104,7 @@ def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.Pat
     data = manifest.build(
         sdk=str(compiled.ctx.table.version),
         arch=getattr(compiled.ctx.table, "arch", None) or options["arch"],
-        options={k: options[k] for k in OUTPUT_OPTIONS},
+        options={k: v for k, v in options.items() if k not in RUN_OPTIONS},
         graphs=[manifest.graph_entry(v.name, f"{v.name}.onnx", v.graph, v.partitions) for v in variants],
         coverage=compiled.coverage,
         passes=[r.stats() for r in compiled.records],

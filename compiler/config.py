@@ -2,7 +2,8 @@
 
 Looked up in the current directory unless `--config FILE` names one. Keys mirror the CLI
 options (`sdk`, `arch`, `passes`, `skip_passes`, `plugins`, `seq_len`, `cache_len`, `batch`,
-`input_shapes`, `verify_each`); an option given on the command line replaces the config
+`input_shapes`, `verify_each`) and a `[pass_options]` table whose keys go to the passes as
+they are (e.g. `kv_cache = true`); an option given on the command line replaces the config
 value (lists are replaced, not merged). Plugin files are relative to the config file.
 
     # mtkc.toml
@@ -33,6 +34,7 @@ KEYS: dict[str, str] = {
     "batch": "int",
     "input_shapes": "shapes",
     "verify_each": "bool",
+    "pass_options": "table",
 }
 
 
@@ -77,6 +79,7 @@ def _read(path: Path, in_pyproject: bool) -> dict[str, Any]:
         if kind is None:
             raise InputError(f"{where}: unknown key '{key}'; known keys: {', '.join(KEYS)}")
         config[key] = _typed(where, key, kind, value)
+    config.update(config.pop("pass_options", {}))
     if "plugins" in config:
         config["plugins"] = [_relative_to(path.parent, p) for p in config["plugins"]]
     return config
@@ -87,6 +90,7 @@ def _typed(where: str, key: str, kind: str, value: Any) -> Any:
         "str": lambda v: isinstance(v, (str, int)) and not isinstance(v, bool),
         "int": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
         "bool": lambda v: isinstance(v, bool),
+        "table": lambda v: isinstance(v, dict) and not set(v) & set(KEYS),
         "list": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
         "shapes": lambda v: isinstance(v, dict)
         and all(isinstance(d, list) and all(isinstance(x, int) for x in d) for d in v.values()),
@@ -96,6 +100,7 @@ def _typed(where: str, key: str, kind: str, value: Any) -> Any:
             "str": "a string",
             "int": "a positive integer",
             "bool": "true or false",
+            "table": "a table of pass options (not named like a top-level key)",
             "list": "a list of strings",
             "shapes": "a table of input name = [dims]",
         }[kind]

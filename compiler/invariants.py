@@ -45,7 +45,7 @@ def name_nodes(graph: gs.Graph, prefix: str | None) -> int:
 
 
 def shapes_bound(graph: gs.Graph) -> bool:
-    return all(_static(t) for t in graph.inputs)
+    return all(static(t) for t in graph.inputs)
 
 
 def loose_tensors(graph: gs.Graph) -> tuple[set[str], set[str]]:
@@ -54,7 +54,7 @@ def loose_tensors(graph: gs.Graph) -> tuple[set[str], set[str]]:
     for t in _variables(graph):
         if t.dtype is None:
             untyped.add(t.name)
-        if not _static(t):
+        if not static(t):
             dynamic.add(t.name)
     return untyped, dynamic
 
@@ -96,7 +96,7 @@ def check(
         for t in _variables(graph):
             if t.dtype is None and t.name not in untyped:
                 raise error(f"{stage}: tensor '{t.name}' has no dtype")
-            if not dynamic and not _static(t):
+            if not dynamic and not static(t):
                 raise error(f"{stage}: tensor '{t.name}' has no static shape ({_shape_text(t)}) in a static graph")
 
 
@@ -144,7 +144,7 @@ def _variables(graph: gs.Graph):
             yield t
 
 
-def _static(t: gs.Tensor) -> bool:
+def static(t: gs.Tensor) -> bool:
     return t.shape is not None and all(isinstance(d, Integral) and d >= 0 for d in t.shape)
 
 

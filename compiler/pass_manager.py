@@ -255,9 +255,7 @@ def run_pipeline(
             raise PassError(f"pass '{p.name}' ({p.origin}) returned {type(result).__name__}, not a PassResult")
         invariants.restore(graph, p.name)
         if invariants.shapes_bound(graph) and _new_loose(invariants.loose_tensors(graph), loose):
-            from mtkc.shapes import infer
-
-            infer(graph, ctx.root)  # type what the pass left untyped; still loose -> PassError
+            _fill_types(graph, ctx.root)  # type what the pass left untyped; still loose -> PassError
         invariants.check(graph, p.name, loose)
         record = PassRecord(
             p.name, p.origin, result.rewrites, nodes_before, len(graph.nodes),
@@ -272,6 +270,21 @@ def run_pipeline(
         if verifier is not None:
             verifier.after(p, graph, result.changed)
     return records
+
+
+def _fill_types(graph: gs.Graph, root) -> None:
+    """ONNX shape inference for tensors without dtype/static shape; known ones are kept as they are."""
+    from mtkc.shapes import infer
+
+    known = {
+        id(t): (t.dtype, t.shape)
+        for t in graph.tensors().values()
+        if isinstance(t, gs.Variable) and t.dtype is not None and invariants.static(t)
+    }
+    infer(graph, root)
+    for t in graph.tensors().values():
+        if id(t) in known:
+            t.dtype, t.shape = known[id(t)]
 
 
 def _new_loose(now: tuple[set[str], set[str]], before: tuple[set[str], set[str]]) -> bool:
@@ -356,7 +369,19 @@ class EachVerifier:
                         dims.setdefault(str(d), int(b))
                 shape = [int(b) if isinstance(b, (int, np.integer)) else d for d, b in zip(shape, bound)]
             stand_ins.append(gs.Variable(name, dtype, shape))
-        return seeded_inputs(gs.Graph(inputs=stand_ins), self.seed, dims)
+        feeds = seeded_inputs(gs.Graph(inputs=stand_ins), self.seed, dims)
+        return _positions_follow_cache(feeds)
+
+
+def _positions_follow_cache(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Integer `position_ids` [B, T] become past + arange(T) (rewrites may tabulate RoPE for
+    exactly the positions a static graph can see), past = the cache length of `past_key*`."""
+    ids = feeds.get("position_ids")
+    if ids is None or ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+        return feeds
+    past = next((v.shape[-2] for k, v in sorted(feeds.items()) if k.startswith("past_key") and v.ndim >= 2), 0)
+    positions = past + np.arange(ids.shape[1], dtype=ids.dtype)
+    return {**feeds, "position_ids": np.broadcast_to(positions, ids.shape).copy()}
 
 
 def compare(actual: np.ndarray, expected: np.ndarray, atol: float, rtol: float) -> str:

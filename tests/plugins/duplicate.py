@@ -1,0 +1,8 @@
+"""A plugin registering a name a built-in already has."""
+
+from mtkc.pass_api import Pass, register
+
+
+@register
+class Fold(Pass):
+    name = "fold"
