@@ -34,6 +34,7 @@ class Placement:
     target: str
     reason: str = ""
     detail: str = ""
+    remedy: str = ""
     forced: bool = False
 
 
@@ -96,11 +97,12 @@ def place(
                 )
             placements[node.name] = Placement(NPU, forced=True)
         elif cpu_pattern is not None:
-            placements[node.name] = Placement(CPU, "forced-cpu", f"--force-cpu {cpu_pattern}", forced=True)
+            placements[node.name] = Placement(CPU, "forced-cpu", f"--force-cpu {cpu_pattern}", "drop the --force-cpu pattern", forced=True)
         elif v.supported:
             placements[node.name] = Placement(NPU)
         else:
-            placements[node.name] = Placement(CPU, v.reason or "unsupported", getattr(v, "detail", "") or "")
+            placements[node.name] = Placement(CPU, v.reason or "unsupported", getattr(v, "detail", None) or "",
+                                              getattr(v, "remedy", None) or "")
     return placements
 
 
@@ -247,7 +249,8 @@ def _too_small(
         if any(placements[nodes[i].name].forced for i in idx):
             continue
         detail = f"NPU island of {len(idx)} node(s) < --min-partition-nodes {minimum}"
-        small.update({nodes[i].name: Placement(CPU, "partition-too-small", detail) for i in idx})
+        remedy = "lower --min-partition-nodes, or --force-npu the nodes"
+        small.update({nodes[i].name: Placement(CPU, "partition-too-small", detail, remedy) for i in idx})
     return small
 
 

@@ -9,13 +9,17 @@ stores each weight once however many partitions or graphs use it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import onnx_graphsurgeon as gs
 
 from mtkc.errors import PassError
 from mtkc.manifest import tensor_spec
-from mtkc.partition import CPU, NPU, Partition, Placement, node_inputs
+from mtkc.partition import CPU, NPU, Partition, Placement, name_nodes, node_inputs, parse_patterns, partition, place, unmatched
+
+log = logging.getLogger("mtkc")
 
 
 @dataclass
@@ -24,6 +28,37 @@ class Piece:
 
     entry: dict
     graph: gs.Graph
+
+
+@dataclass
+class Split:
+    """A graph's partitions, final placements, and the pieces to write."""
+
+    parts: list[Partition] = field(default_factory=list)
+    placements: dict[str, Placement] = field(default_factory=dict)
+    pieces: list[Piece] = field(default_factory=list)
+
+    @property
+    def entries(self) -> list[dict]:
+        return [p.entry for p in self.pieces]
+
+
+def split(
+    graph: gs.Graph,
+    graph_name: str,
+    verdict: Callable[[gs.Node], object],
+    min_partition_nodes: int | None = None,
+    force_cpu: Sequence[str] | None = None,
+    force_npu: Sequence[str] | None = None,
+) -> Split:
+    """Name nodes, place them (table verdicts + user patterns), partition, cut: compile's one call."""
+    name_nodes(graph)
+    cpu_patterns = parse_patterns(force_cpu, "--force-cpu")
+    npu_patterns = parse_patterns(force_npu, "--force-npu")
+    for pattern in unmatched(graph, cpu_patterns + npu_patterns):
+        log.warning("mtkc: pattern '%s' matches no node of graph '%s'", pattern, graph_name)
+    parts, placements = partition(graph, place(graph, verdict, cpu_patterns, npu_patterns), min_partition_nodes or 1)
+    return Split(parts, placements, cut(graph, parts, placements, graph_name))
 
 
 def boundaries(graph: gs.Graph, parts: list[Partition]) -> list[tuple[list[gs.Variable], list[gs.Variable]]]:
