@@ -72,6 +72,7 @@ def stripped_proto(graph: gs.Graph, root: Path | None = None) -> onnx.ModelProto
                 out.dtype, out.shape = None, None
     copy.nodes = kept
     copy.inputs = [*copy.inputs, *extra_inputs]
+    copy.toposort()  # ONNX inference is one forward sweep in node order
     io = {t.name for t in copy.inputs}
     for out in copy.outputs:
         if out.name not in io and isinstance(out, gs.Variable) and out.inputs and _is_onnx(out.inputs[0]):

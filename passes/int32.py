@@ -55,10 +55,12 @@ class Int64ToInt32(Pass):
 
     def __init__(self):
         self.converted_inputs: list[str] = []
+        self.converted_outputs: list[str] = []
 
     def run(self, graph, ctx: Context) -> PassResult:
         result = PassResult()
         names = gu.Names(graph, self.name)
+        int64_outputs = [t for t in graph.outputs if _is_i64(t)]
         for t in graph.inputs:
             if _is_i64(t):
                 t.dtype = np.int32
@@ -79,6 +81,10 @@ class Int64ToInt32(Pass):
         shapes.infer(graph, ctx.root)
         result.rewrites += _restore_int64_slots(graph, names, result.misses)
         result.rewrites += _drop_noop_casts(graph)
+        for t in int64_outputs:
+            if gu.dtype_of(t) == np.int32:
+                self.converted_outputs.append(t.name)
+                result.notes.append(f"output '{t.name}' is now int32")
         outputs = {t.name for t in graph.outputs}
         for node in graph.nodes:
             for t in node.outputs:
@@ -89,6 +95,9 @@ class Int64ToInt32(Pass):
 
     def map_feeds(self, feeds, ctx):
         return {k: v.astype(np.int32) if k in self.converted_inputs else v for k, v in feeds.items()}
+
+    def map_outputs(self, outputs, ctx):
+        return {k: v.astype(np.int32) if k in self.converted_outputs else v for k, v in outputs.items()}
 
 
 def _fits(v: np.ndarray) -> bool:
