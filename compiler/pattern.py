@@ -91,11 +91,18 @@ class _State:
         self.nodes: list[gs.Node] = []
         self.read = read
         self.fail: tuple[int, str, str] | None = None  # (depth, reason, node)
+        self.at: list[str] = []  # names of the nodes whose inputs are being matched
+
+    def where(self, tensor: gs.Tensor) -> str:
+        """The node to blame for a tensor-level failure: its consumer in the pattern."""
+        return self.at[-1] if self.at else _where(tensor)
 
     def failed(self, reason: str, where: str) -> bool:
         depth = len(self.nodes)
         if self.fail is None or depth > self.fail[0]:
             self.fail = (depth, reason, where)
+        elif (depth, where) == (self.fail[0], self.fail[2]) and reason.startswith("expected "):
+            self.fail = (depth, _alternatives(self.fail[1], reason), where)
         return False
 
     def save(self):
@@ -120,9 +127,9 @@ class Var(Pattern):
     def _match(self, tensor, st):
         if self.name in st.bindings and st.bindings[self.name] is not tensor:
             return st.failed(f"'{self.name}' is {_label(st.bindings[self.name])} here but {_label(tensor)} there",
-                             _where(tensor))
+                             st.where(tensor))
         if self.check is not None and (why := self.check(tensor)):
-            return st.failed(why, _where(tensor))
+            return st.failed(why, st.where(tensor))
         if self.name:
             st.bindings[self.name] = tensor
         return True
@@ -138,17 +145,17 @@ class Const(Pattern):
     def _match(self, tensor, st):
         const = constant_of(tensor)
         if const is None:
-            return st.failed(f"{_label(tensor)} is not a constant", _where(tensor))
+            return st.failed(f"{_label(tensor)} is not a constant", st.where(tensor))
         if self.value is not None or self.check is not None:
             if int(np.prod(const.shape or ())) > MAX_CHECK_ELEMENTS:
-                return st.failed(f"constant {const.name} is too large to check", _where(tensor))
+                return st.failed(f"constant {const.name} is too large to check", st.where(tensor))
             vals = np.asarray(st.read(const) if st.read is not None else const.values)
             if self.value is not None and (vals.size != 1 or not np.allclose(vals.astype(np.float64), self.value,
                                                                              rtol=self.rtol, atol=0)):
                 shown = vals.reshape(-1)[:4].tolist()
-                return st.failed(f"constant {const.name} is {shown}, expected {self.value}", _where(tensor))
+                return st.failed(f"constant {const.name} is {shown}, expected {self.value}", st.where(tensor))
             if self.check is not None and (why := self.check(vals)):
-                return st.failed(f"constant {const.name}: {why}", _where(tensor))
+                return st.failed(f"constant {const.name}: {why}", st.where(tensor))
         if self.name:
             st.bindings[self.name] = tensor
         return True
@@ -172,7 +179,7 @@ class Op(Pattern):
     def _match(self, tensor, st):
         node = producer(tensor)
         if node is None:
-            return st.failed(f"{_label(tensor)} is not computed by a node (expected {self.op})", _where(tensor))
+            return st.failed(f"{_label(tensor)} is not computed by a node (expected {self.op})", st.where(tensor))
         if node.op != self.op or (node.domain or "") not in _domains(self.domain):
             return st.failed(f"expected {self.op}, found {_qual(node)}", node.name)
         if len(node.inputs) < len(self.inputs) or (not self.extra_inputs and len(node.inputs) > len(self.inputs)):
@@ -188,13 +195,17 @@ class Op(Pattern):
         if self.name:
             st.bindings[self.name] = node
         orders = [self.inputs, self.inputs[::-1]] if self.commute else [self.inputs]
-        for order in orders:
-            if all(p._match(t, st) for p, t in zip(order, node.inputs)):
-                return True
-            st.restore(saved)
-            st.nodes.append(node)
-            if self.name:
-                st.bindings[self.name] = node
+        st.at.append(node.name)
+        try:
+            for order in orders:
+                if all(p._match(t, st) for p, t in zip(order, node.inputs)):
+                    return True
+                st.restore(saved)
+                st.nodes.append(node)
+                if self.name:
+                    st.bindings[self.name] = node
+        finally:
+            st.at.pop()
         st.restore(saved)
         return False
 
@@ -255,8 +266,18 @@ def near(pattern: Pattern, anchor: gs.Node, root_op: str, steps: int = 8, read: 
                         seen.add(id(consumer))
                         following.append(consumer)
         frontier = following
-    return best or Match(False, reason=f"no {root_op} within {steps} steps after {anchor.op} {anchor.name}",
-                         node=anchor.name)
+    if best is not None:
+        return best
+    return Match(False, reason=f"no {root_op} within {steps} steps after {anchor.op} {anchor.name}", node=anchor.name)
+
+
+def _alternatives(first: str, second: str) -> str:
+    """'expected A, found X' + 'expected B, found X' -> 'expected A | B, found X'."""
+    a, _, found_a = first.removeprefix("expected ").partition(", found ")
+    b, _, found_b = second.removeprefix("expected ").partition(", found ")
+    if not first.startswith("expected ") or found_a != found_b or b in a.split(" | "):
+        return first
+    return f"expected {a} | {b}, found {found_a}"
 
 
 def _domains(domain: str) -> tuple[str, ...]:
