@@ -30,8 +30,9 @@ from mtkc.pass_manager import Pipeline, PassRecord, load_registry, resolve_pipel
 from mtkc.weights import WeightWriter
 
 # Compile options (keys of `options`; all optional); all but RUN_OPTIONS go in the manifest.
-OUTPUT_OPTIONS = ("arch", "seq_len", "cache_len", "batch", "input_shapes", "passes", "skip_passes", "plugins")
-RUN_OPTIONS = ("verify_each", "overwrite")
+OUTPUT_OPTIONS = ("arch", "seq_len", "cache_len", "batch", "input_shapes", "passes", "skip_passes", "plugins",
+                  "min_partition_nodes", "force_cpu", "force_npu", "converter_cmd")
+RUN_OPTIONS = ("verify_each", "overwrite", "no_convert")
 WEIGHTS_FILE = "weights.bin"  # shared by every graph written (each tensor stored once)
 
 
@@ -42,6 +43,7 @@ class GraphVariant:
     name: str
     graph: gs.Graph
     partitions: list[dict] = field(default_factory=list)
+    split: Any = None  # mtkc.stitch.Split: placements and the partition graphs to write
 
 
 @dataclass
@@ -111,6 +113,12 @@ def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.Pat
     )
     report = _report(model, compiled)
     _write(out, variants, data, report, model.root, bool(options["overwrite"]))
+    from mtkc.deliver import finish  # hand-off to the converter, overlays, report.md
+
+    error = finish(out, data, report, {v.name: (v.graph, v.split) for v in variants}, model.path,
+                   getattr(compiled.ctx.table, "converter", None), options["converter_cmd"], options["no_convert"])
+    if error is not None:
+        raise error
     return CompileResult(out, data, report, compiled.records, variants)
 
 
@@ -132,7 +140,12 @@ def _variants(graph: gs.Graph, ctx: Context) -> list[GraphVariant]:
 
 def _partitions(variant: GraphVariant, ctx: Context) -> list[dict]:
     """Hook: NPU/CPU partitions of one graph, in execution order (manifest `partitions`)."""
-    return []
+    from mtkc.stitch import split
+
+    o, graph = ctx.options, variant.graph
+    variant.split = split(graph, variant.name, lambda n: ctx.table.verdict(n, graph.opset, ctx.read_values),
+                          o.get("min_partition_nodes"), o.get("force_cpu"), o.get("force_npu"))
+    return variant.split.entries
 
 
 def _report(model: Model, compiled: Compiled) -> dict[str, Any]:
@@ -205,6 +218,8 @@ def _write(out: Path, variants: list[GraphVariant], data: dict, report: dict, ro
         with WeightWriter(stage, WEIGHTS_FILE) as writer:
             for variant in variants:
                 writer.export(variant.graph, root, stage / f"{variant.name}.onnx")
+                for piece in variant.split.pieces if variant.split else []:
+                    writer.export(piece.graph, root, stage / piece.entry["path"])
         _write_text(stage / "report.json", json.dumps(report, sort_keys=True, indent=2) + "\n")
         _write_text(stage / "manifest.json", manifest.dumps(data))
         if out.exists():

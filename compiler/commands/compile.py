@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from mtkc.commands.options import add_common, add_pipeline, add_shapes, add_target
+from mtkc.commands.partitioning import add_partitioning, partitioning_options
 from mtkc.errors import InputError
 
 log = logging.getLogger("mtkc")
@@ -26,6 +27,7 @@ def add_parser(sub) -> None:
     p.add_argument("--verify-each", action="store_true", help="run onnxruntime after every changing pass; name the first that changes the numbers")
     p.add_argument("--explain", metavar="PASS", help="print the sites PASS looked at and refused, with the reason")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    add_partitioning(p)
     add_common(p)
     p.set_defaults(func=run)
 
@@ -36,6 +38,7 @@ def run(args) -> int:
     from mtkc.pass_manager import load_registry
 
     options = from_args(args)
+    options.update(partitioning_options(args))
     sdk = options.pop("sdk")
     if not sdk:
         raise InputError("--sdk is required (or set sdk in mtkc.toml)")
