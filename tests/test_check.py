@@ -1,0 +1,129 @@
+"""`mtkc check`, `mtkc sdks`, `mtkc ops` on tiny real exports and through the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mtkc import cli
+from mtkc.check import check
+
+EXPORTERS = ["legacy14", "legacy17", "dynamo", "hf"]
+FAMILIES = ["qwen2", "llama"]
+
+
+def mtkc(capsys, *args) -> tuple[int, str, str]:
+    """Run the CLI in-process (one interpreter: imports and shape inference are paid once)."""
+    code = cli.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def groups(report_json: dict) -> dict[tuple[str, str], dict]:
+    return {(g["op"], g["reason"]): g for g in report_json["unsupported"]}
+
+
+def reasons_of(report_json: dict, op: str) -> set[str]:
+    return {g["reason"] for g in report_json["unsupported"] if g["op"] == op}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("exporter", EXPORTERS)
+def test_check_reports_per_op_reasons(capsys, exported, family, exporter):
+    model = exported(family, exporter, cache=False)
+    code, text, _ = mtkc(capsys, "check", model, "--sdk", "6.0")
+    assert code == 0
+    assert "target      NeuroPilot 6.0 / mdla3.0" in text
+    assert "op  " in text and "reason" in text and "example nodes" in text
+
+    code, out, _ = mtkc(capsys, "check", model, "--sdk", "9.0", "--format", "json", "--seq-len", "8")
+    assert code == 0
+    report = json.loads(out)
+    assert list(report) == ["schema_version", "sdk", "arch", "model", "nodes", "coverage", "partitions",
+                            "unsupported"]
+    assert (report["sdk"], report["arch"], report["coverage"]["compiled"]) == ("9.0", "mdla6.1", None)
+    assert 0 < report["coverage"]["raw"] < 1 and report["partitions"] >= 1
+    assert sum(g["count"] for g in report["unsupported"]) < report["nodes"]
+    found = groups(report)
+    # on every SDK: RoPE tables, shape maths, int64 index maths, the embedding lookup, bool masks
+    for op in ("Sin", "Cos", "Range"):
+        assert (op, "op-unsupported") in found, op
+    assert found[("Sin", "op-unsupported")]["remedy"].startswith("pass rope")
+    assert ("Gather", "host-op") in found
+    int64 = [g for g in report["unsupported"] if g["reason"] == "dtype-unsupported" and "int64" in g["detail"]]
+    assert int64 and all("int64-to-int32" in g["remedy"] for g in int64)
+    boolean = [g for g in report["unsupported"] if g["reason"] == "dtype-unsupported" and "bool" in g["detail"]]
+    assert boolean and all("pass mask" in g["remedy"] for g in boolean)
+    assert not [g for g in report["unsupported"] if g["reason"] == "shape-dynamic"]  # seq bound, batch 1
+    assert "MatMul" not in {g["op"] for g in report["unsupported"]}  # incl. QK^T, PV (BATCH_MATMUL)
+    for g in report["unsupported"]:
+        assert g["count"] == len(g["nodes"]) and g["detail"] and g["remedy"]
+
+
+def test_dynamic_dims_flagged_until_bound(exported):
+    model = exported("qwen2", "legacy17", cache=True)
+    unbound = check(model, "6.0")
+    assert unbound.unbound == ["batch_size", "past_sequence_length", "sequence_length", "total_sequence_length"]
+    dynamic = {n for g in unbound.assessment.groups if g.reason == "shape-dynamic" for n in g.nodes}
+    assert "/m/model/layers.0/input_layernorm/Pow" in dynamic
+    half = check(model, "6.0", seq_len=8)  # cache length still open
+    assert half.unbound == ["past_sequence_length", "total_sequence_length"]
+    half_dynamic = {n for g in half.assessment.groups if g.reason == "shape-dynamic" for n in g.nodes}
+    assert "/m/model/layers.0/input_layernorm/Pow" not in half_dynamic
+    assert "/m/model/layers.0/self_attn/Softmax" in half_dynamic  # its length is cache + seq
+    bound = check(model, "6.0", seq_len=8, cache_len=16)
+    assert bound.unbound == [] and not [g for g in bound.assessment.groups if g.reason == "shape-dynamic"]
+    assert bound.assessment.supported > half.assessment.supported > unbound.assessment.supported
+
+
+def test_input_shape_binds_named_inputs(capsys, exported):
+    model = exported("llama", "legacy17", cache=False)
+    a = check(model, "8.0", input_shapes={"input_ids": (1, 5), "attention_mask": (1, 5)})
+    b = check(model, "8.0", seq_len=5)
+    assert a.to_json()["unsupported"] == b.to_json()["unsupported"] and a.unbound == []
+    code, _, err = mtkc(capsys, "check", model, "--sdk", "8.0", "--input-shape", "ids=1,5")
+    assert code == 2 and "graph has no input 'ids'" in err
+    code, _, err = mtkc(capsys, "check", model, "--sdk", "8.0", "--input-shape", "input_ids=1,5,3")
+    assert code == 2 and "--input-shape input_ids: rank 3 given, the input has rank 2" in err
+
+
+def test_unknown_sdk_lists_available(capsys, exported):
+    code, out, err = mtkc(capsys, "check", exported("qwen2", "legacy17"), "--sdk", "5.0")
+    assert (code, out) == (2, "")
+    assert err.strip() == "mtkc: error: unknown SDK '5.0'; available: 6.0, 7.0, 8.0, 9.0"
+
+
+def test_strict_output_file_and_determinism(capsys, exported, tmp_path, monkeypatch):
+    model = exported("qwen2", "legacy14")
+    monkeypatch.chdir(tmp_path)
+    code, first, _ = mtkc(capsys, "check", model, "--sdk", "8.0", "--format", "json")
+    assert code == 0 and list(tmp_path.iterdir()) == []  # writes nothing without -o
+    assert mtkc(capsys, "check", model, "--sdk", "8.0", "--format", "json")[1] == first
+    assert mtkc(capsys, "check", model, "--sdk", "8.0", "--strict")[0] == 1
+    code, out, err = mtkc(capsys, "check", model, "--sdk", "8.0", "--format", "json", "-o", "r.json")
+    assert (code, out) == (0, "") and "wrote r.json" in err
+    assert (tmp_path / "r.json").read_text() == first
+
+
+def test_sdks_command(capsys):
+    code, out, _ = mtkc(capsys, "sdks", "--format", "json")
+    rows = {r["sdk"]: r for r in json.loads(out)}
+    assert code == 0 and list(rows) == ["6.0", "7.0", "8.0", "9.0"]
+    assert rows["6.0"]["archs"] == ["mdla2.0", "mdla3.0"] and rows["6.0"]["default_arch"] == "mdla3.0"
+    assert rows["9.0"]["extends"] == "8.0" and rows["6.0"]["extends"] is None
+    code, text, _ = mtkc(capsys, "sdks")
+    assert code == 0 and text.splitlines()[0].split()[:4] == ["sdk", "archs", "default", "extends"]
+
+
+def test_ops_command(capsys):
+    code, out, _ = mtkc(capsys, "ops", "--sdk", "8.0", "--op", "SimplifiedLayerNormalization", "--format", "json")
+    (entry,) = json.loads(out)["entries"]
+    assert code == 0 and entry["supported"] and entry["constraints"]["last_axis"] == "axis"
+    assert entry["provenance"] == "mtk-llm-graphs" and entry["sources"] == ["L"]
+    code, text, _ = mtkc(capsys, "ops", "--sdk", "6.0", "--op", "ai.onnx:Sin")
+    assert code == 0 and "ai.onnx:Sin  [not on NPU]  documented (A, E, T)" in text and "rope" in text
+    code, text, _ = mtkc(capsys, "ops", "--sdk", "6.0", "--arch", "mdla2.0", "--op", "Conv")
+    assert "attributes" in text and "'group': [1]" in text
+    code, _, err = mtkc(capsys, "ops", "--sdk", "6.0", "--op", "Frobnicate")
+    assert code == 2 and "op 'Frobnicate' is not in the NeuroPilot 6.0 table" in err
