@@ -38,11 +38,12 @@ class Legalize(Pass):
     def run(self, graph, ctx: Context) -> PassResult:
         result = PassResult()
         names = gu.Names(graph, self.name)
+        minus_ones: dict[tuple, gs.Constant] = {}
         for node in list(graph.nodes):
             if node.domain not in (None, "", "ai.onnx") or not node.outputs:
                 continue
             if node.op == "Neg":
-                result.rewrites += _neg(node, names)
+                result.rewrites += _neg(node, names, minus_ones)
             elif node.op == "Pow":
                 result.rewrites += _pow(node, ctx, names, result.misses)
         reshaped: dict[tuple, gs.Tensor] = {}
@@ -56,14 +57,16 @@ class Legalize(Pass):
         return result
 
 
-def _neg(node: gs.Node, names: gu.Names) -> int:
+def _neg(node: gs.Node, names: gu.Names, minus_ones: dict) -> int:
     x = node.inputs[0]
     dtype = gu.dtype_of(x)
     if dtype is None or x.shape is None:
         return 0
-    minus_one = gu.make_constant(names.new(f"{node.name}/minus_one"), np.full([1] * len(x.shape), -1, dtype=dtype))
+    key = (dtype.str, len(x.shape))
+    if key not in minus_ones:
+        minus_ones[key] = gu.make_constant(names.new(f"{node.name}/minus_one"), np.full([1] * len(x.shape), -1, dtype))
     node.op = "Mul"
-    node.inputs.append(minus_one)
+    node.inputs.append(minus_ones[key])
     return 1
 
 
