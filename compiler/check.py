@@ -34,7 +34,7 @@ _NAMED = {
     "past_seq_len": "cache", "past_sequence_length": "cache", "past_len": "cache", "cache_length": "cache",
     "total_seq_len": "total", "total_sequence_length": "total", "all_seq_len": "total",
 }
-_PAST = re.compile(r"^past(_key_values)?[._]")
+_PAST = re.compile(r"^past|cache", re.IGNORECASE)  # past_key_values.0.key, input.cache.layers.0.keys, k_cache_0
 
 
 @dataclass
@@ -176,7 +176,7 @@ def bind_dims(graph: gs.Graph, seq_len: int | None, cache_len: int | None, batch
         if inputs[name].shape is not None and len(inputs[name].shape) != len(shape):
             raise InputError(f"--input-shape {name}: rank {len(shape)} given, the input has rank "
                              f"{len(inputs[name].shape)}")
-    has_past = any(_PAST.match(n) for n in inputs)
+    has_past = any(_PAST.search(n) for n in inputs)
     if batch is None and (seq_len is not None or cache_len is not None or input_shapes):
         batch = 1
     total = seq_len + (cache_len or 0) if seq_len is not None and (cache_len is not None or not has_past) else None
@@ -214,7 +214,7 @@ def _roles(name: str, shape, has_past: bool) -> dict[int, str]:
     rank = len(shape)
     if name in ("input_ids", "inputs_embeds", "hidden_states", "position_ids") and rank >= 2:
         return {0: "batch", 1: "seq"}
-    if _PAST.match(name) and rank == 4:
+    if _PAST.search(name) and rank == 4:
         return {0: "batch", 2: "cache"}
     if name == "attention_mask":
         if rank == 2:
