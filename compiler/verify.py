@@ -150,26 +150,69 @@ def compare(actual: np.ndarray, expected: np.ndarray, atol: float, rtol: float) 
     return max_abs, max_rel, cosine, close
 
 
-def build_feeds(original_inputs, compiled_inputs: list[dict], vocab: int, seed: int) -> tuple[dict, dict]:
-    """Seeded feeds for the original model and the equivalent feeds for the compiled graph."""
+@dataclass
+class Host:
+    """Host-side inputs a runtime computes (manifest `host.embedding`, `options.rope`, `options.mask_value`)."""
+
+    embedding: np.ndarray | None = None
+    rope: dict | None = None
+    mask_value: float = MASK_MIN
+
+    @classmethod
+    def from_manifest(cls, manifest: dict, out: Path) -> "Host":
+        options = manifest.get("options") or {}
+        entry = (manifest.get("host") or {}).get("embedding")
+        embedding = None
+        if entry:
+            path = Path(out) / (entry["path"] if isinstance(entry, dict) else entry)
+            embedding = (np.load(path, mmap_mode="r") if path.suffix == ".npy" else
+                         np.memmap(path, np.dtype(entry.get("dtype", "float32")), "r", shape=tuple(entry["shape"])))
+        return cls(embedding, options.get("rope"), float(options.get("mask_value") or MASK_MIN))
+
+
+def build_feeds(original_inputs, compiled_inputs: list[dict], vocab: int, seed: int,
+                host: Host | None = None) -> tuple[dict, dict]:
+    """Seeded feeds for the original model and the equivalent feeds for the compiled graph.
+
+    When the compiled graph has a KV cache the original lacks (cache inserted by mtkc), the
+    cache is zeros and fully masked: both then compute the same T tokens from position 0.
+    """
+    host = host or Host()
     by_name = {i["name"]: i for i in compiled_inputs}
-    seq = _dim(by_name, ("input_ids", "hidden_states"), 1, default=1)
-    past = next((i["shape"][2] for i in compiled_inputs if KV_INPUT.match(i["name"])), 0)
-    dims = {"batch_size": 1, "batch": 1, "sequence_length": seq, "past_sequence_length": past,
-            "total_sequence_length": past + seq}
     kv_of = _kv_names(by_name, "past", KV_INPUT)  # original cache input name -> compiled past_*_i
+    dims: dict[str, int] = {}  # symbolic dims of the original, unified with the compiled shapes
+    for arg in original_inputs:
+        twin = by_name.get(kv_of.get(arg.name, arg.name))
+        if twin and twin["shape"] and len(twin["shape"]) == len(arg.shape):
+            for d, size in zip(arg.shape, twin["shape"]):
+                if isinstance(d, str) and isinstance(size, int):
+                    dims.setdefault(d, size)
+    seq = _dim(by_name, ("input_ids", "hidden_states", "position_ids"), 1, default=dims.get("sequence_length", 1))
+    mask = by_name.get("attention_mask", {}).get("shape") or []
+    if len(mask) == 4 and all(isinstance(d, int) for d in mask):
+        cache = mask[3] - mask[2]
+    else:
+        cache = next((i["shape"][2] for i in compiled_inputs if KV_INPUT.match(i["name"])),
+                     dims.get("past_sequence_length", 0))
+    original_cached = any(a.name in kv_of or "past_sequence_length" in a.shape for a in original_inputs) or not any(
+        KV_INPUT.match(n) for n in by_name)
+    past = cache if original_cached else 0  # tokens before the new ones, as the original sees them
+    dims = {"batch_size": 1, "batch": 1, "sequence_length": seq, "past_sequence_length": past,
+            "total_sequence_length": past + seq, **dims}
     rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, (1, seq))
+    positions = np.arange(past, past + seq)
     original: dict[str, np.ndarray] = {}
     for arg in original_inputs:
         dtype = _np_dtype(arg.type)
         name = arg.name
         kv = kv_of.get(name)
         if name == "input_ids":
-            original[name] = rng.integers(0, vocab, (1, seq)).astype(dtype)
+            original[name] = ids.astype(dtype)
         elif name == "attention_mask":
             original[name] = np.ones((1, past + seq), dtype)
         elif name == "position_ids":
-            original[name] = np.arange(past, past + seq, dtype=dtype)[None]
+            original[name] = positions.astype(dtype)[None]
         elif kv is not None:
             original[name] = rng.standard_normal(by_name[kv]["shape"]).astype(dtype)
         else:
@@ -182,23 +225,39 @@ def build_feeds(original_inputs, compiled_inputs: list[dict], vocab: int, seed: 
         name, dtype, shape = spec["name"], _manifest_dtype(spec["dtype"]), spec["shape"]
         source = source_of.get(name)
         if name == "attention_mask" and len(shape) == 4:
-            compiled[name] = causal_mask(shape[2], shape[3], dtype)
+            compiled[name] = causal_mask(shape[2], shape[3], dtype, host.mask_value, hidden=cache - past)
         elif name in original and list(original[name].shape) == list(shape):
             compiled[name] = original[name].astype(dtype)
         elif name == "position_ids":
-            compiled[name] = np.arange(past, past + seq, dtype=dtype).reshape(shape)
+            compiled[name] = positions.astype(dtype).reshape(shape)
         elif source is not None:
             compiled[name] = original[source].astype(dtype)
+        elif KV_INPUT.match(name) and not original_cached:
+            compiled[name] = np.zeros(shape, dtype)
+        elif name == "hidden_states" and host.embedding is not None:
+            compiled[name] = np.asarray(host.embedding[ids[0]], dtype)[None].reshape(shape)
+        elif name == "pos_emb" and host.rope is not None:
+            compiled[name] = pos_emb(positions, shape[-1], host.rope).astype(dtype).reshape(shape)
         else:
             raise InputError(f"verify: no rule builds compiled input '{name}' {shape} from the original model's inputs")
     return original, compiled
 
 
-def causal_mask(seq: int, total: int, dtype) -> np.ndarray:
-    """Additive [1,1,T,C+T] mask: row i sees the C cached positions and new positions <= i."""
-    past = total - seq
-    allowed = np.arange(total)[None, :] <= past + np.arange(seq)[:, None]
-    return np.where(allowed, 0.0, MASK_MIN).astype(dtype)[None, None]
+def causal_mask(seq: int, total: int, dtype, value: float = MASK_MIN, hidden: int = 0) -> np.ndarray:
+    """Additive [1,1,T,C+T] mask: row i sees cache slots >= `hidden` and new positions <= i."""
+    cache = total - seq
+    cols = np.arange(total)[None, :]
+    allowed = (cols <= cache + np.arange(seq)[:, None]) & (cols >= hidden)
+    return np.where(allowed, 0.0, value).astype(dtype)[None, None]
+
+
+def pos_emb(positions: np.ndarray, head_dim: int, rope: dict) -> np.ndarray:
+    """cos/sin [1,2,T,D] (rotate-half layout) for `positions`, as the host runtime feeds them."""
+    from types import SimpleNamespace
+
+    from mtkc.generate import Generator
+
+    return Generator._pos_emb(SimpleNamespace(rope=rope), positions, head_dim)
 
 
 def match_output(name: str, original_names: list[str]) -> str | None:
@@ -218,11 +277,12 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
     worst: dict[tuple, Check] = {}
     skipped: list[str] = []
     sessions: dict = {}
+    host = Host.from_manifest(manifest, out)
     for graph in manifest.get("graphs", []):
         whole = load_session(out / graph["path"])
         vocab = _vocab(graph, reference)
         for sample in range(samples):
-            orig_feeds, feeds = build_feeds(reference.get_inputs(), graph["inputs"], vocab, seed=sample)
+            orig_feeds, feeds = build_feeds(reference.get_inputs(), graph["inputs"], vocab, sample, host)
             expected = run_session(reference, orig_feeds)
             runs = {"partitions": run_partitions(out, graph, feeds, sessions), "graph": run_session(whole, feeds)}
             for pipeline, outputs in runs.items():
