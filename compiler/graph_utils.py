@@ -75,6 +75,14 @@ def single_consumer(t: gs.Tensor, graph_outputs: set[str]) -> bool:
     return len(t.outputs) == 1 and t.name not in graph_outputs
 
 
+def renamable(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> bool:
+    """`replace_uses(old, new)` needs no Identity: `old` is no graph output, or `new` can take its name."""
+    if not any(t is old for t in graph.outputs):
+        return True
+    io = {id(t) for t in graph.inputs} | {id(t) for t in graph.outputs}
+    return isinstance(new, gs.Variable) and bool(new.inputs) and id(new) not in io
+
+
 def replace_uses(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
     """Every consumer of `old` reads `new` instead; a graph output keeps its name.
 
@@ -87,8 +95,7 @@ def replace_uses(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
                 consumer.inputs[i] = new
     if not any(t is old for t in graph.outputs):
         return
-    io = {id(t) for t in graph.inputs} | {id(t) for t in graph.outputs}
-    if isinstance(new, gs.Variable) and new.inputs and id(new) not in io:
+    if renamable(graph, old, new):
         name, dtype, shape = old.name, old.dtype, old.shape
         old.name = f"{name}/replaced"
         new.name = name

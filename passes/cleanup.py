@@ -113,7 +113,9 @@ def remove_noops(graph: gs.Graph, ctx: Context) -> int:
     n = 0
     inputs = _graph_inputs(graph)
     for node in list(graph.nodes):
-        if node.outputs and is_noop(node, ctx) and id(node.outputs[0]) not in inputs:
+        if not node.outputs or id(node.outputs[0]) in inputs or not gu.renamable(graph, node.outputs[0], node.inputs[0]):
+            continue
+        if is_noop(node, ctx):
             gu.bypass(graph, node)
             n += 1
     return n

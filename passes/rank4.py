@@ -44,7 +44,12 @@ class Rank4(Pass):
         io = {id(t) for t in (*graph.inputs, *graph.outputs)}
         seen: set[int] = set()
         for t in list(graph.tensors().values()):
-            if id(t) in seen or not _high(t) or isinstance(t, gs.Constant):
+            if id(t) in seen or not _high(t):
+                continue
+            if isinstance(t, gs.Constant):
+                for node in t.outputs:
+                    if node.op not in ELEMENTWISE:
+                        result.misses.append(Miss(node.name, f"rank-{len(t.shape)} constant operand '{t.name}' of {node.op}"))
                 continue
             region = _region(graph, t)
             seen.update(id(x) for x in region.tensors)
@@ -159,7 +164,7 @@ class Region:
             elif kind == "elementwise":
                 rank = len(out.shape)
                 for k, t in enumerate(node.inputs):
-                    if not _high(t):
+                    if gu.is_const(t) or not _high(t):
                         node.inputs[k] = _lowered_operand(self.graph, t, rank, i, node, names)
         for t in self.tensors:
             t.shape = list(_merged(gu.static_shape(t), i))
@@ -180,7 +185,7 @@ def _region(graph: gs.Graph, start: gs.Tensor) -> Region:
             seen_n.add(id(node))
             region.nodes.append(node)
             for x in [*node.inputs, *node.outputs]:
-                if _high(x) and id(x) not in seen_t:
+                if _high(x) and not gu.is_const(x) and id(x) not in seen_t:
                     stack.append(x)
     return region
 
