@@ -1,8 +1,9 @@
 """Reference host runtime: greedy generation through compiled prefill / decode graphs.
 
 What a device runtime does around MediaTek's LLM graphs, in numpy + onnxruntime, wired by
-`manifest.json`: host-side inputs (additive mask, positions or cos/sin `pos_emb`, embedding rows
-when the graph takes `hidden_states`), the KV cache, and the prefill -> decode hand-over.
+`manifest.json`: host-side inputs (additive mask, positions or cos/sin `pos_emb` rows, embedding
+rows when the graph takes `hidden_states`: tables listed in the manifest's `host`), the KV
+cache, and the prefill -> decode hand-over.
 
     prompt ──► prefill (T tokens per call; a short tail is padded and masked) ──► argmax
            ──► decode (1 token per call) ──► argmax ──► ... until max_new_tokens or the cache is full
@@ -63,7 +64,6 @@ class Generator:
         manifest = json.loads(path.read_text())
         options = manifest.get("options") or {}
         self.mask_value = float(mask_value if mask_value is not None else options.get("mask_value", DEFAULT_MASK_VALUE))
-        self.rope = options.get("rope") or {}
         stages: dict[str, list[tuple[int, Stage]]] = {"prefill": [], "decode": []}
         for graph in manifest.get("graphs", []):
             m = _NAME.match(graph["name"])
@@ -74,7 +74,9 @@ class Generator:
         self.prefill = [s for _, s in sorted(stages["prefill"], key=lambda x: x[0])]
         self.decode = [s for _, s in sorted(stages["decode"], key=lambda x: x[0])]
         self._layout(options.get("cache_io"))
-        self.embedding = self._embedding(manifest) if "hidden_states" in self.prefill[0].inputs else None
+        first = self.prefill[0].inputs
+        self.embedding = self._host(manifest, "embedding", "graphs take hidden_states") if "hidden_states" in first else None
+        self.rope = self._host(manifest, "rope", "graphs take pos_emb") if "pos_emb" in first else None
         self.stop_reason: str | None = None
 
     def _stage(self, graph: dict) -> Stage:
@@ -109,16 +111,14 @@ class Generator:
             cache_io = "sliding" if dims and dims[2] == self.cache_len and t != self.cache_len else "new"
         self.cache_io = cache_io
 
-    def _embedding(self, manifest: dict) -> np.ndarray:
-        host = manifest.get("host") or {}
-        entry = host.get("embedding") if isinstance(host, dict) else None
+    def _host(self, manifest: dict, name: str, why: str) -> np.ndarray:
+        entry = (manifest.get("host") or {}).get(name)
         if not entry:
-            raise InputError(f"{self.root}: graphs take hidden_states but the manifest names no host embedding table")
-        path = self.root / (entry["path"] if isinstance(entry, dict) else entry)
-        if path.suffix == ".npy":
-            return np.load(path, mmap_mode="r")
-        shape = entry["shape"]
-        return np.memmap(path, dtype=np.dtype(entry.get("dtype", "float32")), mode="r", shape=tuple(shape))
+            raise InputError(f"{self.root}/manifest.json: {why} but the manifest names no host table '{name}'")
+        path = self.root / entry["path"]
+        if not path.is_file():
+            raise InputError(f"{path}: host table '{name}' listed in the manifest is missing")
+        return np.load(path, mmap_mode="r")
 
     # ------------------------------------------------------------------ generation
 
@@ -178,7 +178,7 @@ class Generator:
                 elif name == "attention_mask":
                     value = self._mask(shape, k, t)
                 elif name == "pos_emb":
-                    value = self._pos_emb(positions, shape[-1])
+                    value = self.rope[:, positions][None]
                 elif name in feeds:
                     value = feeds[name]
                 else:
@@ -202,14 +202,6 @@ class Generator:
         mask[:, c:][causal] = 0.0
         return mask[None, None]
 
-    def _pos_emb(self, positions: np.ndarray, head_dim: int) -> np.ndarray:
-        """cos/sin [1,2,T,D] in rotate-half layout, from the manifest's rope settings."""
-        theta = float(self.rope.get("theta", 10000.0))
-        inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-        freqs = positions[:, None].astype(np.float64) * inv_freq[None] * float(self.rope.get("scaling", 1.0))
-        emb = np.concatenate([freqs, freqs], axis=-1)
-        return np.stack([np.cos(emb), np.sin(emb)])[None].astype(np.float32)
-
     def _update(self, result: dict[str, np.ndarray], k: int, t: int) -> None:
         for name, value in result.items():
             m = _PRESENT.match(name)
@@ -227,6 +219,32 @@ class Generator:
         else:
             self.valid[self.filled:self.filled + k] = True
         self.filled += k
+
+
+def host_tables(passes, read_values) -> dict[str, np.ndarray]:
+    """Tables the host needs after a pipeline run, from the pass instances that moved them out:
+    `embedding` [V, H] (embedding pass, host-input mode) and `rope` [2, max_pos, D] (cos, sin;
+    rope pass, pos_emb mode)."""
+    tables = {}
+    for p in passes:
+        lookups = getattr(p, "lookups", None) if p.name == "embedding" else None
+        if lookups:
+            tables["embedding"] = np.asarray(read_values(lookups[0][1]), np.float32)
+        rope = getattr(p, "tables", None) if p.name == "rope" else None
+        if rope and "cos" in rope and "sin" in rope:
+            tables["rope"] = np.stack([rope["cos"], rope["sin"]]).astype(np.float32)
+    return tables
+
+
+def write_host_tables(out_dir: str | Path, tables: dict[str, np.ndarray]) -> dict[str, dict]:
+    """Save each table as `host/<name>.npy` under `out_dir`; returns the manifest's `host` entry."""
+    entries = {}
+    for name, table in sorted(tables.items()):
+        path = Path(out_dir) / "host" / f"{name}.npy"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.save(path, table)
+        entries[name] = {"path": f"host/{name}.npy", "dtype": str(table.dtype), "shape": list(table.shape)}
+    return entries
 
 
 def generate(out_dir: str | Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

@@ -1,27 +1,34 @@
 """KV cache: a decoder export -> static prefill / decode graphs over a fixed-size cache.
 
-NOTE for compile / the pass manager (helper P) -- how variants work:
-  `variants(graph, options)` says which graphs one compile produces: `[Variant("model", {})]`
-  for a model without KV cache, else one pipeline run per variant with these option overrides:
-      prefill: seq_len=T (options seq_len, default 128)    decode: seq_len=1
-      both:    cache_len=C (default 512), kv_cache=True, variant, cache_io, chunks=N, chunk=k
-  Graph names: `prefill`, `decode`; with `--chunks N > 1`: `prefill_0..N-1`, `decode_0..N-1`.
-  KV mode is on when `options["kv_cache"]` is True, or None (auto) and the model has cache inputs.
-  Pipeline order: `kv-cache` FIRST (before bind-shapes: it binds the LLM I/O itself and, in a
-  no-cache export, inserts the past concat while shapes are still computed by Shape ops);
-  `kv-cache-io` and `layer-chunks` LAST (after the final fold/cleanup: they cut on a settled graph).
+NOTE for compile / the pass manager (helper P) -- how variants work (K asks for these edits):
+  1. compile_model runs the pipeline once per variant, each on a fresh `load(model_path)`:
+         plan = mtkc.passes.kv_cache.variants(model.graph, options)   # [Variant(name, overrides)]
+         for v in plan: compiled = compile_graph(m, sdk, {**options, **v.options}, table)
+                        -> GraphVariant(v.name, m.graph); all graphs through ONE WeightWriter
+     `variants` gives [Variant("model", {})] for a model without KV cache (today's behaviour);
+     for a KV model: prefill (seq_len=T, default 128) and decode (seq_len=1), both cache_len=C
+     (default 512), plus kv_cache=True, variant, cache_io, chunks=N, chunk=k, max_positions.
+     Names: `prefill`, `decode`; with chunks N > 1: `prefill_0..N-1`, `decode_0..N-1`.
+     KV mode: options["kv_cache"] True, or None (auto) and the model has cache inputs.
+  2. Host tables the runtime needs (embedding rows when the graph takes hidden_states; cos/sin
+     rows for rope_mode=pos_emb): `mtkc.generate.host_tables(compiled.pipeline.passes, m.values)`
+     after each run, then `manifest["host"] = mtkc.generate.write_host_tables(stage_dir, tables)`.
+  3. Pipeline order: `kv-cache` FIRST (before bind-shapes: it finds/inserts the cache while
+     shapes are still computed by Shape ops, so a no-cache export gets a working past concat);
+     `kv-cache-io` then `layer-chunks` LAST (after the final fold/cleanup).
+  4. CLI (compile): `--kv-cache/--no-kv-cache`, `--cache-io new|sliding`, `--chunks N`
+     -> options kv_cache, cache_io, chunks.
 
 Three passes, one idea (the cache contract of MediaTek's LLM runtime, ExecuTorch mediatek/):
 
-* `kv-cache` finds each layer's cache concat and names the graph I/O:
+* `kv-cache` finds each layer's cache concat and names the cache I/O (shapes are bound later by
+  `bind-shapes`: past_* -> [1,Hkv,C,D]; the other LLM passes name and shape the rest):
 
       past_key_values.{i}.key ──► [Identity | Concat(1 input)]* ──► Concat(axis=2) ◄── K after RoPE
       (legacy/dynamo/optimum;  input.cache.layers.{i}.keys (hf);  past_key_{i})   │
                                                                                   ▼
                                                           present.{i}.key ─► attention
-  ->  inputs  input_ids [1,T] | hidden_states [1,T,H], attention_mask [1,C+T] (int, as exported)
-              or [1,1,T,C+T] (additive), position_ids [1,T] | pos_emb [1,2,T,D],
-              past_key_<i> / past_value_<i> [1,Hkv,C,D];
+  ->  inputs  past_key_<i> / past_value_<i> [1,Hkv,C,D] (besides input_ids, attention_mask, ...)
       outputs logits [1,T,V], present_key_<i> / present_value_<i> = the concat [1,Hkv,C+T,D].
   In an export without cache I/O, K and V are cut where they enter attention (after RoPE, before
   repeat_kv) and `Concat(past, new, axis=2)` is inserted. Refuses (InputError) a model with neither.
@@ -87,12 +94,13 @@ def variants(graph: gs.Graph, options: dict) -> list[Variant]:
         raise InputError(f"--cache-io {cache_io}: expected one of {', '.join(CACHE_IO)}")
     if chunks < 1 or seq_len < 1 or cache_len < 1:
         raise InputError(f"--chunks/--seq-len/--cache-len must be >= 1 (got {chunks}/{seq_len}/{cache_len})")
+    max_pos = options.get("max_positions") or seq_len + cache_len  # one RoPE table for both graphs
     out = []
     for variant, t in (("prefill", seq_len), ("decode", 1)):
         for k in range(chunks):
             name = variant if chunks == 1 else f"{variant}_{k}"
             out.append(Variant(name, dict(kv_cache=True, variant=variant, seq_len=t, cache_len=cache_len,
-                                          cache_io=cache_io, chunks=chunks, chunk=k)))
+                                          cache_io=cache_io, chunks=chunks, chunk=k, max_positions=max_pos)))
     return out
 
 
@@ -157,7 +165,6 @@ class KvCache(Pass):
         return _kv_on(ctx)
 
     def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
-        t, c, _ = _opts(ctx)
         pasts = past_inputs(graph)
         notes = []
         if pasts:
@@ -165,7 +172,7 @@ class KvCache(Pass):
         else:
             layers = insert_cache(graph)
             notes.append(f"no cache I/O in the export: inserted past concat in {len(layers)} attention layers")
-        self.renames = _name_io(graph, layers, t, c)
+        self.renames = _name_io(graph, layers)
         return PassResult(rewrites=len(layers), notes=notes)
 
     def map_feeds(self, feeds, ctx):
@@ -201,8 +208,11 @@ def _existing_cache(graph: gs.Graph, pasts: dict) -> list[LayerCache]:
     return layers
 
 
-def _name_io(graph: gs.Graph, layers: list[LayerCache], t: int, c: int) -> dict[str, str]:
-    """Contract names and static shapes for the LLM I/O; returns {old name: new name}."""
+def _name_io(graph: gs.Graph, layers: list[LayerCache]) -> dict[str, str]:
+    """Contract names for the cache I/O and outputs in contract order; returns {old: new name}.
+
+    Shapes stay as exported (symbols): `bind-shapes` binds them by role (past_* -> cache_len).
+    """
     renames = {}
 
     def rename(tensor: gs.Tensor, name: str) -> None:
@@ -214,30 +224,15 @@ def _name_io(graph: gs.Graph, layers: list[LayerCache], t: int, c: int) -> dict[
     for layer in layers:
         for kind in KINDS:
             past, concat = layer.past[kind], layer.concat[kind]
-            what = f"cache input '{past.name}'"
-            hkv, d = _dim(past.shape[1], what), _dim(past.shape[3], what)
             rename(past, f"past_{kind}_{layer.index}")
-            past.shape, past.dtype = [1, hkv, c, d], np.float32
             out = concat.outputs[0]
             rename(out, f"present_{kind}_{layer.index}")
-            out.shape, out.dtype = [1, hkv, c + t, d], np.float32
+            out.dtype = out.dtype or np.float32
             presents.append(out)
-    by_name = {tensor.name: tensor for tensor in graph.inputs}
-    for name, shape in (("input_ids", [1, t]), ("position_ids", [1, t])):
-        if name in by_name:
-            by_name[name].shape = shape
-    if "hidden_states" in by_name:
-        by_name["hidden_states"].shape = [1, t, by_name["hidden_states"].shape[-1]]
-    if "pos_emb" in by_name:
-        by_name["pos_emb"].shape = [1, 2, t, by_name["pos_emb"].shape[-1]]
-    mask = by_name.get("attention_mask")
-    if mask is not None:
-        mask.shape = [1, c + t] if len(mask.shape) == 2 else [1, 1, t, c + t]
     logits = next((o for o in graph.outputs if o.name == "logits"), None)
     if logits is None:
         logits = graph.outputs[0]
         rename(logits, "logits")
-    logits.shape = [1, t, _dim(logits.shape[-1], "output 'logits'")]
     graph.outputs = [logits] + presents
     return renames
 
