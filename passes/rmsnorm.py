@@ -11,8 +11,8 @@ Matched (anchor: each ReduceMean; the fused ops are sites on their own):
     RMSNormalization (opset 23), com.microsoft SimplifiedLayerNormalization,
     com.microsoft SkipSimplifiedLayerNormalization (= Add(input, skip[, bias]) + norm; its 4th output is the sum)
 
-Emitted: `com.microsoft::SimplifiedLayerNormalization` when the table has it (NP >= 8 native
-RMSNorm), else the canonical form below (Reciprocal when the table has it, else Div(1, ·)):
+Emitted: `SimplifiedLayerNormalization` when the table has it (NP >= 8 native RMSNorm; the table
+lists it as com.microsoft, onnxruntime runs it in the default domain), else the canonical form below (Reciprocal when the table has it, else Div(1, ·)):
 
     x ─┬─ Mul(x,x) ─ ReduceMean(-1, keepdims) ─ Add(eps) ─ Sqrt ─ Reciprocal ─┐
        └────────────────────────────────────────────────────────────── Mul ──┴─ Mul(gamma)
@@ -31,7 +31,8 @@ from mtkc.pass_api import Context, Miss, Pass, PassResult, register
 from mtkc.pattern import Const, Emit, Match, Op, Opt, Or, Var, near, replace_uses, values_of
 
 MS = "com.microsoft"
-FUSED = {("", "RMSNormalization"), (MS, "SimplifiedLayerNormalization"), (MS, "SkipSimplifiedLayerNormalization")}
+FUSED = {("", "RMSNormalization"), ("", "SimplifiedLayerNormalization"), (MS, "SimplifiedLayerNormalization"),
+         (MS, "SkipSimplifiedLayerNormalization")}
 
 
 def _last_axis_attr(axes) -> bool:
@@ -111,7 +112,9 @@ def _bind_input(m: Match) -> Match:
 
 
 def native(ctx: Context) -> bool:
-    return ctx.table is not None and ctx.table.has_op(MS, "SimplifiedLayerNormalization")
+    """The table has the native RMSNorm. It is emitted in the default domain: onnxruntime registers
+    SimplifiedLayerNormalization there (com.microsoft has only the Skip variant)."""
+    return ctx.table is not None and any(ctx.table.has_op(d, "SimplifiedLayerNormalization") for d in ("", MS))
 
 
 def emit_norm(graph: gs.Graph, ctx: Context, x: gs.Tensor, gamma: gs.Tensor, eps: float, prefix: str) -> gs.Variable:

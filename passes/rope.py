@@ -109,6 +109,8 @@ class Rope(Pass):
             result.rewrites += 1
         result.notes.append(f"{len(sites)} rotate-half sites")
         result.rewrites += self._hoist(graph, ctx, result)
+        if (ctx.options.get("rope_mode") or "table") == "pos_emb":
+            result.rewrites += self._folded_to_pos_emb(graph, ctx, sites, result)
         if result.rewrites:
             graph.cleanup().toposort()
         if self.position_input:  # pos_emb replaced it
@@ -156,24 +158,56 @@ class Rope(Pass):
         if rank != 3:
             return f"{kind} is rank {rank}, pos_emb replaces [1, T, D] tensors only"
         full = table if _full_width(table) else np.concatenate([table, table], axis=-1)
-        width = table.shape[1]
+        if source in graph.inputs:
+            self.position_input = source.name
+        seq = ctx.options.get("seq_len") or (source.shape[-1] if source.shape else "sequence_length")
+        return self._slice(graph, node.name, kind, full, table.shape[1], seq, target)
+
+    def _slice(self, graph, prefix, kind, full, width, seq, target):
+        """Slice(pos_emb, cos|sin, first `width` columns), squeezed to `target`'s rank 3 (or kept 4-D)."""
         pos_emb = next((t for t in graph.inputs if t.name == POS_EMB), None)
         if pos_emb is None:
-            seq = ctx.options.get("seq_len") or (source.shape[-1] if source.shape else "sequence_length")
             pos_emb = gs.Variable(POS_EMB, dtype=np.float32, shape=[1, 2, seq, full.shape[1]])
             graph.inputs.append(pos_emb)
         elif pos_emb.shape[-1] != full.shape[1]:
             return f"pos_emb has width {pos_emb.shape[-1]}, {kind} needs {full.shape[1]}"
         self.tables[kind] = full
-        if source in graph.inputs:
-            self.position_input = source.name
-        e = Emit(graph, node.name)
+        e = Emit(graph, prefix)
         k = 0 if kind == "cos" else 1
         sliced = e.op("Slice", [pos_emb, e.const("starts", np.array([k, 0], np.int64)),
                                 e.const("ends", np.array([k + 1, width], np.int64)),
                                 e.const("axes", np.array([1, 3], np.int64))], dtype=np.float32)
+        if target.shape is not None and len(target.shape) == 4:
+            sliced.shape = target.shape
+            return sliced
         return e.op("Squeeze", [sliced, e.const("axes", np.array([1], np.int64))], dtype=target.dtype,
                     shape=target.shape)
+
+    def _folded_to_pos_emb(self, graph, ctx, sites, result) -> int:
+        """cos/sin already folded to constants (positions 0..T-1, no cache) -> pos_emb slices."""
+        done = {}
+        for m in sites:
+            for kind in ("cos", "sin"):
+                const = _constant_source(m[kind])
+                if const is None or id(const) in done:
+                    continue
+                values = np.asarray(values_of(const, ctx.read_values))
+                if values.ndim not in (3, 4) or int(np.prod(values.shape[:-2])) != 1:
+                    result.misses.append(Miss(m["add"].name, f"constant {kind} has shape {list(values.shape)}"))
+                    continue
+                seq, width = values.shape[-2:]
+                new = self._slice(graph, m["add"].name, kind, values.reshape(seq, width), width, seq,
+                                  gs.Variable("shape", shape=list(values.shape)))
+                if isinstance(new, str):
+                    result.misses.append(Miss(m["add"].name, new))
+                    continue
+                new.shape = list(values.shape)
+                done[id(const)] = new
+                for consumer in list(const.outputs):
+                    for i, t in enumerate(consumer.inputs):
+                        if t is const:
+                            consumer.inputs[i] = new
+        return len(done)
 
     def map_feeds(self, feeds: dict, ctx: Context) -> dict:
         """pos_emb[0] = (cos, sin) rows of the original positions (position_ids, or 0..T-1)."""
@@ -186,6 +220,18 @@ class Rope(Pass):
             pos = np.arange(int(ctx.options.get("seq_len") or _seq_from(feeds)))
         feeds[POS_EMB] = np.stack([self.tables["cos"][pos], self.tables["sin"][pos]])[None].astype(np.float32)
         return feeds
+
+
+def _constant_source(tensor: gs.Tensor) -> gs.Constant | None:
+    """The constant a cos/sin operand is computed from through shape-only ops, if any."""
+    for _ in range(4):
+        if isinstance(tensor, gs.Constant):
+            return tensor
+        node = tensor.inputs[0] if len(tensor.inputs) == 1 else None
+        if node is None or node.op not in ("Unsqueeze", "Reshape", "Cast", "Expand", "Identity"):
+            return None
+        tensor = node.inputs[0]
+    return None
 
 
 def _seq_from(feeds: dict) -> int:
