@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -240,8 +241,12 @@ def run_pipeline(
     ctx: Context,
     verify_each: bool = False,
     seed: int = 0,
+    observe: Callable[[Pass, gs.Graph], None] | None = None,
 ) -> list[PassRecord]:
-    """Run the passes in place on `graph`; restore/check invariants after each; return stats."""
+    """Run the passes in place on `graph`; restore/check invariants after each; return stats.
+
+    `observe(pass, graph)` is called after each pass (invariants restored), e.g. to track nodes.
+    """
     invariants.restore(graph, None, InputError)
     invariants.check(graph, None, error=InputError)
     verifier = EachVerifier(graph, ctx, seed) if verify_each else None
@@ -269,6 +274,8 @@ def run_pipeline(
         )
         if verifier is not None:
             verifier.after(p, graph, result.changed)
+        if observe is not None:
+            observe(p, graph)
     return records
 
 

@@ -356,3 +356,42 @@ def test_default_pipeline_keeps_numbers_on_tiny_export(exported, table):
     assert {"bind-shapes", "fold", "rmsnorm"} <= {r.name for r in records if r.rewrites}
     outputs = execute.run(model.graph, execute.seeded_inputs(model.graph, 0), model.root)
     assert outputs["logits"].shape == (1, 8, model.graph.outputs[0].shape[-1])
+
+
+# --- entry points ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def installed_plugin(tmp_path, monkeypatch):
+    """A fake installed distribution `mtkc-demo 0.3` with two `mtkc.passes` entry points."""
+    from mtkc import pass_manager
+
+    (tmp_path / "mtkc_demo.py").write_text(
+        "from mtkc.pass_api import Pass, PassResult\n"
+        "class Demo(Pass):\n    name = 'demo-pass'\n    description = 'installed demo'\n"
+        "    def run(self, graph, ctx):\n        return PassResult()\n"
+        "class Clash(Pass):\n    name = 'fold'\n"
+    )
+    info = tmp_path / "mtkc_demo-0.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mtkc-demo\nVersion: 0.3\n")
+    (info / "entry_points.txt").write_text("[mtkc.passes]\ndemo-pass = mtkc_demo:Demo\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pass_manager._entry_points.cache_clear()
+    yield info
+    pass_manager._entry_points.cache_clear()
+
+
+def test_entry_point_passes_are_listed_but_run_only_when_enabled(installed_plugin, table):
+    registry = load_registry()
+    assert "demo-pass" in registry.names() and registry.get("demo-pass").origin == "mtkc-demo 0.3"
+    ctx = Context(table, {})
+    assert "demo-pass" not in resolve_pipeline(registry, ctx).names
+    assert resolve_pipeline(load_registry(["demo-pass"]), ctx).names[-1] == "demo-pass"
+    assert resolve_pipeline(registry, ctx, ["demo-pass"]).names == ["demo-pass"]
+
+
+def test_entry_point_name_clash_names_both(installed_plugin):
+    (installed_plugin / "entry_points.txt").write_text("[mtkc.passes]\nfold = mtkc_demo:Clash\n")
+    with pytest.raises(PassError, match=r"pass name 'fold' is registered twice: by built-in \(mtkc.passes.fold.*\) and by mtkc-demo 0.3"):
+        load_registry()
