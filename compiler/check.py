@@ -3,14 +3,13 @@
     check(model, sdk, ...) -> CheckReport       (what `mtkc check` prints)
     assess(graph, table, ...) -> Assessment     (coverage/partitions/unsupported of any graph)
 
-Nothing is written and no weight is read (only small integer constants that shape inference
-needs). `CheckReport.coverage_compiled` stays None until the pass manager fills it.
+Nothing is written and no weight is read (only small constants that shape inference needs).
+`CheckReport.coverage_compiled` stays None until the pass manager fills it.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -22,20 +21,11 @@ import onnx_graphsurgeon as gs
 from mtkc import capability, shapes
 from mtkc.capability import Table, Verdict
 from mtkc.errors import InputError
+from mtkc.pass_api import Context
 
 log = logging.getLogger("mtkc")
 
 SCHEMA_VERSION = 1
-
-# Symbolic dim names exporters use for the three roles (torch dynamic_axes, optimum, ORT tools).
-_NAMED = {
-    "batch": "batch", "batch_size": "batch",
-    "seq": "seq", "seq_len": "seq", "sequence_length": "seq", "sequence": "seq",
-    "past_seq_len": "cache", "past_sequence_length": "cache", "past_len": "cache", "cache_length": "cache",
-    "total_seq_len": "total", "total_sequence_length": "total", "all_seq_len": "total",
-}
-_PAST = re.compile(r"^past|cache", re.IGNORECASE)  # past_key_values.0.key, input.cache.layers.0.keys, k_cache_0
-
 
 @dataclass
 class Group:
@@ -117,8 +107,8 @@ def check(model_path, sdk: str, arch: str | None = None, seq_len: int | None = N
 
     table = capability.load_table(sdk, arch)  # unknown SDK fails before the model is read
     model = load(model_path)
-    unbound = bind_dims(model.graph, seq_len, cache_len, batch, input_shapes or {})
-    annotate_shapes(model.graph, model.root)
+    options = {"seq_len": seq_len, "cache_len": cache_len, "batch": batch, "input_shapes": input_shapes}
+    unbound = bind_and_type(model.graph, Context(table, options, model.root))
     assessment = assess(model.graph, table, model.opset, model.values)
     return CheckReport(sdk=table.version, arch=table.arch, model=str(model_path),
                        assessment=assessment, unbound=unbound)
@@ -157,102 +147,27 @@ def assess(graph: gs.Graph, table: Table, opset: int | None = None,
     return Assessment(len(graph.nodes) - constants, supported, sizes, ordered, constants)
 
 
-# ---- shape binding -------------------------------------------------------------------------------
-
-
-def bind_dims(graph: gs.Graph, seq_len: int | None, cache_len: int | None, batch: int | None,
-              input_shapes: dict[str, tuple[int, ...]]) -> list[str]:
-    """Replace symbolic dims by the values the options give, on every tensor; return the rest.
-
-    A symbol is bound by its name (sequence_length, past_sequence_length, batch_size, ...), by
-    where it sits (input_ids dim 1 = seq, past_* dim 2 = cache, attention_mask dim 1 = cache+seq,
-    dynamo's s0-style names), or by `--input-shape`. Sums like 'past_sequence_length +
-    sequence_length' are evaluated. Batch defaults to 1 once any other dim is bound.
-    """
-    inputs = {t.name: t for t in graph.inputs}
-    for name, shape in input_shapes.items():
-        if name not in inputs:
-            raise InputError(f"--input-shape: graph has no input '{name}'; inputs: {', '.join(inputs)}")
-        if inputs[name].shape is not None and len(inputs[name].shape) != len(shape):
-            raise InputError(f"--input-shape {name}: rank {len(shape)} given, the input has rank "
-                             f"{len(inputs[name].shape)}")
-    has_past = any(_PAST.search(n) for n in inputs)
-    if batch is None and (seq_len is not None or cache_len is not None or input_shapes):
-        batch = 1
-    total = seq_len + (cache_len or 0) if seq_len is not None and (cache_len is not None or not has_past) else None
-    roles = {"batch": batch, "seq": seq_len, "cache": cache_len if has_past else None, "total": total}
-
-    symbols: dict[str, int] = {}
-    for name, shape in input_shapes.items():  # explicit shapes win
-        for dim, value in zip(inputs[name].shape or (), shape):
-            if _is_symbol(dim):
-                symbols.setdefault(dim, value)
-    for name, t in inputs.items():
-        for axis, role in _roles(name, t.shape, has_past).items():
-            dim = t.shape[axis]
-            if _is_symbol(dim) and roles[role] is not None:
-                symbols.setdefault(dim, roles[role])
-    for sym, role in _NAMED.items():
-        if roles[role] is not None:
-            symbols.setdefault(sym, roles[role])
-
-    for name, shape in input_shapes.items():
-        inputs[name].shape = list(shape)
-    unbound: set[str] = set()
-    for t in graph.tensors().values():
-        if isinstance(t, gs.Variable) and t.shape is not None and t.name not in input_shapes:
-            t.shape = [_resolve(d, symbols) for d in t.shape]
-            if t in graph.inputs:
-                unbound.update(d for d in t.shape if isinstance(d, str))
-    return sorted(unbound)
-
-
-def _roles(name: str, shape, has_past: bool) -> dict[int, str]:
-    """Which role each axis of a well-known graph input plays."""
-    if shape is None:
-        return {}
-    rank = len(shape)
-    if name in ("input_ids", "inputs_embeds", "hidden_states", "position_ids") and rank >= 2:
-        return {0: "batch", 1: "seq"}
-    if _PAST.search(name) and rank == 4:
-        return {0: "batch", 2: "cache"}
-    if name == "attention_mask":
-        if rank == 2:
-            return {0: "batch", 1: "total" if has_past else "seq"}
-        if rank == 4:
-            return {0: "batch", 2: "seq", 3: "total"}
-    return {}
-
-
-def _is_symbol(dim) -> bool:
-    return isinstance(dim, str) and dim.strip() != "" and not dim.strip().isdigit() and "+" not in dim
-
-
-def _resolve(dim, symbols: dict[str, int]):
-    """An int when the dim is an int, a numeric string, a bound symbol or a sum of those."""
-    if not isinstance(dim, str):
-        return dim
-    total = 0
-    for term in dim.split("+"):
-        term = term.strip()
-        if term.isdigit():
-            total += int(term)
-        elif term in symbols:
-            total += symbols[term]
-        else:
-            return dim
-    return total
-
-
 # ---- shape inference -----------------------------------------------------------------------------
 
 
-def annotate_shapes(graph: gs.Graph, root: Path | None = None) -> None:
-    """Type every tensor: ONNX inference (`mtkc.shapes.infer`, weight-stripped), then, when the
-    graph inputs are fully bound but some tensor is still dynamic, onnxruntime's symbolic shape
-    inference, which follows the Shape/Gather/Concat/Expand chains of TorchScript exports that
-    ONNX data propagation gives up on (and knows com.microsoft ops)."""
-    shapes.infer(graph, root)
+def bind_and_type(graph: gs.Graph, ctx: Context) -> list[str]:
+    """Bind dims (the bind-shapes pass, which also infers), type every tensor, return the input
+    dims still symbolic (each one leaves its consumers `shape-dynamic`)."""
+    from mtkc.passes.bind_shapes import BindShapes
+
+    bind = BindShapes()
+    if bind.applies(ctx):
+        bind.run(graph, ctx)
+    else:
+        shapes.infer(graph, ctx.root)
+    finish_shapes(graph, ctx.root)
+    return sorted({d for t in graph.inputs for d in t.shape or () if isinstance(d, str) and not d.isdigit()})
+
+
+def finish_shapes(graph: gs.Graph, root: Path | None = None) -> None:
+    """When the graph inputs are static but some tensor is not, run onnxruntime's symbolic shape
+    inference: it follows the Shape/Gather/Concat/Expand chains of TorchScript exports that ONNX
+    data propagation gives up on, and knows com.microsoft ops (weights stripped)."""
     if not all(_static(t) for t in graph.inputs) or all(_static(t) for t in graph.tensors().values()):
         return
     try:

@@ -83,9 +83,9 @@ def test_input_shape_binds_named_inputs(capsys, exported):
     b = check(model, "8.0", seq_len=5)
     assert a.to_json()["unsupported"] == b.to_json()["unsupported"] and a.unbound == []
     code, _, err = mtkc(capsys, "check", model, "--sdk", "8.0", "--input-shape", "ids=1,5")
-    assert code == 2 and "graph has no input 'ids'" in err
+    assert code == 2 and "the model has no input 'ids'" in err
     code, _, err = mtkc(capsys, "check", model, "--sdk", "8.0", "--input-shape", "input_ids=1,5,3")
-    assert code == 2 and "--input-shape input_ids: rank 3 given, the input has rank 2" in err
+    assert code == 2 and "--input-shape input_ids: 3 dims given, the input has rank 2" in err
 
 
 def test_unknown_sdk_lists_available(capsys, exported):
