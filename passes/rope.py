@@ -2,7 +2,7 @@
 
     y = x * cos + rotate_half(x) * sin,   rotate_half(x) = Concat(-x[..., D/2:], x[..., :D/2])
 
-Matched (anchor: each Neg; every fused op is a site):
+Matched (anchor: each Neg or Mul(·, -1); every fused op is a site):
 
     x ─┬────────────────────────────────────────── Mul(·, cos) ─┐
        ├─ Slice(D/2:) ─ Neg ─┐                                  ├─ Add
@@ -33,7 +33,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.pass_api import Context, Miss, Pass, PassResult, register
-from mtkc.pattern import Emit, Op, Var, near, replace_uses, values_of
+from mtkc.pattern import Const, Emit, Op, Or, Var, near, replace_uses, values_of
 
 MS = "com.microsoft"
 POS_EMB = "pos_emb"
@@ -48,7 +48,8 @@ def _pattern() -> Op:
     x = Var("x")
     lo = Op("Slice", x, name="lo", extra_inputs=True)
     hi = Op("Slice", x, name="hi", extra_inputs=True)
-    rot = Op("Concat", Op("Neg", hi, name="neg"), lo, attrs={"axis": _last_axis}, name="rot")
+    flip = Or(Op("Neg", hi, name="neg"), Op("Mul", hi, Const(value=-1.0), name="neg"))
+    rot = Op("Concat", flip, lo, attrs={"axis": _last_axis}, name="rot")
     return Op("Add", Op("Mul", x, Var("cos")), Op("Mul", rot, Var("sin")), name="add")
 
 
@@ -59,13 +60,18 @@ def find(graph: gs.Graph, ctx: Context | None = None):
     """Rotate-half sites (one per Neg) and the Negs that are not one."""
     sites, misses = [], []
     for node in graph.nodes:
-        if node.op == "Neg":
+        if node.op == "Neg" or (node.op == "Mul" and _minus_one_operand(node)):
             m = near(PATTERN, node, "Add", steps=3, read=ctx.read_values if ctx else None)
             if m and (why := _halves(m)) is None:
                 sites.append(m)
             else:
                 misses.append(Miss(node.name, why if m else f"{m.reason} (at {m.node})"))
     return sites, misses
+
+
+def _minus_one_operand(node: gs.Node) -> bool:
+    v = values_of(node.inputs[1]) if len(node.inputs) == 2 else None
+    return v is not None and v.size == 1 and float(v.reshape(-1)[0]) == -1.0
 
 
 def _halves(m) -> str | None:
@@ -101,6 +107,8 @@ class Rope(Pass):
         result.misses += misses
         for m in sites:
             neg = m["neg"]
+            if neg.op != "Neg":
+                continue
             e = Emit(graph, neg.name)
             flipped = e.op("Mul", [neg.inputs[0], _minus_one(e, neg.outputs[0])], dtype=neg.outputs[0].dtype,
                            shape=neg.outputs[0].shape)
@@ -177,9 +185,13 @@ class Rope(Pass):
         sliced = e.op("Slice", [pos_emb, e.const("starts", np.array([k, 0], np.int64)),
                                 e.const("ends", np.array([k + 1, width], np.int64)),
                                 e.const("axes", np.array([1, 3], np.int64))], dtype=np.float32)
-        if target.shape is not None and len(target.shape) == 4:
-            sliced.shape = target.shape
+        shape = list(target.shape) if target.shape is not None else None
+        if shape == [1, 1, seq, width]:
+            sliced.shape = shape
             return sliced
+        if shape is not None and all(isinstance(d, int) for d in shape):  # e.g. [1, T, 1, D] (BSND)
+            return e.op("Reshape", [sliced, e.const("shape", np.array(shape, np.int64))], dtype=target.dtype,
+                        shape=shape)
         return e.op("Squeeze", [sliced, e.const("axes", np.array([1], np.int64))], dtype=target.dtype,
                     shape=target.shape)
 
@@ -192,10 +204,11 @@ class Rope(Pass):
                 if const is None or id(const) in done:
                     continue
                 values = np.asarray(values_of(const, ctx.read_values))
-                if values.ndim not in (3, 4) or int(np.prod(values.shape[:-2])) != 1:
+                width = values.shape[-1] if values.ndim in (3, 4) else 0
+                seq = values.size // width if width else 0
+                if not width or sorted(d for d in values.shape if d != 1) not in (sorted([seq, width]), [width]):
                     result.misses.append(Miss(m["add"].name, f"constant {kind} has shape {list(values.shape)}"))
                     continue
-                seq, width = values.shape[-2:]
                 new = self._slice(graph, m["add"].name, kind, values.reshape(seq, width), width, seq,
                                   gs.Variable("shape", shape=list(values.shape)))
                 if isinstance(new, str):
@@ -374,11 +387,16 @@ def _decompose(graph: gs.Graph, node: gs.Node) -> str | None:
         return e.const(name, np.array(vals, np.int64))
 
     xin = e.op("Reshape", [x, c("heads", 0, 0, heads, head)], dtype=f32) if rank == 3 else x
-    halves = []
+    halves, axis = [], 2 if rank == 3 else 1
     for kind, cache in (("cos", cos), ("sin", sin)):
+        table, index = values_of(cache), (values_of(pos) if pos is not None else np.array(0))
+        if table is not None and index is not None:  # folded positions: the rows are constants
+            rows = table[index] if pos is not None else table
+            halves.append(e.const(kind, np.expand_dims(np.concatenate([rows, rows], -1), axis)))
+            continue
         rows = e.op("Gather", [cache, pos], {"axis": 0}, dtype=f32) if pos is not None else cache
         full = e.op("Concat", [rows, rows], {"axis": -1}, dtype=f32)
-        halves.append(e.op("Unsqueeze", [full, c("axis", 2 if rank == 3 else 1)], dtype=f32))
+        halves.append(e.op("Unsqueeze", [full, c("axis", axis)], dtype=f32))
     lo = e.op("Slice", [xin, c("s", 0), c("e", head // 2), c("a", -1)], dtype=f32)
     hi = e.op("Slice", [xin, c("s", head // 2), c("e", head), c("a", -1)], dtype=f32)
     flipped = e.op("Mul", [hi, _minus_one(e, x)], dtype=f32)
