@@ -75,6 +75,7 @@ class CheckReport:
     assessment: Assessment
     unbound: list[str] = field(default_factory=list)  # symbolic dims no option bound
     coverage_compiled: float | None = None
+    rewritten_by: dict[str, str] = field(default_factory=dict)  # unsupported node -> pass that fixes it
 
     @property
     def verdict(self) -> str:
@@ -95,14 +96,21 @@ class CheckReport:
             "nodes": a.nodes,
             "coverage": {"raw": a.coverage, "compiled": self.coverage_compiled},
             "partitions": a.partitions,
-            "unsupported": [g.to_json() for g in a.groups],
+            "unsupported": [
+                {**g.to_json(), "rewritten_by": {n: self.rewritten_by[n] for n in g.nodes if n in self.rewritten_by}}
+                for g in a.groups
+            ],
         }
 
 
 def check(model_path, sdk: str, arch: str | None = None, seq_len: int | None = None,
           cache_len: int | None = None, batch: int | None = None,
-          input_shapes: dict[str, tuple[int, ...]] | None = None) -> CheckReport:
-    """Judge every node of the model at `model_path` for NeuroPilot `sdk`."""
+          input_shapes: dict[str, tuple[int, ...]] | None = None, compiled: bool = True) -> CheckReport:
+    """Judge every node of the model at `model_path` for NeuroPilot `sdk`.
+
+    `compiled`: also run the default pass pipeline in memory (`mtkc.compile.compiled_coverage`)
+    for the coverage after passes and, per unsupported node, the pass that rewrites it.
+    """
     from mtkc.model import load
 
     table = capability.load_table(sdk, arch)  # unknown SDK fails before the model is read
@@ -110,8 +118,18 @@ def check(model_path, sdk: str, arch: str | None = None, seq_len: int | None = N
     options = {"seq_len": seq_len, "cache_len": cache_len, "batch": batch, "input_shapes": input_shapes}
     unbound = bind_and_type(model.graph, Context(table, options, model.root))
     assessment = assess(model.graph, table, model.opset, model.values)
-    return CheckReport(sdk=table.version, arch=table.arch, model=str(model_path),
-                       assessment=assessment, unbound=unbound)
+    report = CheckReport(sdk=table.version, arch=table.arch, model=str(model_path),
+                         assessment=assessment, unbound=unbound)
+    if compiled:
+        from mtkc.compile import compiled_coverage
+        from mtkc.errors import PassError
+
+        try:
+            watch = [n for g in assessment.groups for n in g.nodes]
+            report.coverage_compiled, report.rewritten_by = compiled_coverage(model_path, table, options, watch)
+        except PassError as exc:  # check still reports the raw verdicts
+            log.warning("mtkc: coverage after passes unavailable: %s", exc)
+    return report
 
 
 def assess(graph: gs.Graph, table: Table, opset: int | None = None,

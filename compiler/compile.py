@@ -78,8 +78,11 @@ def normalise(options: dict[str, Any] | None) -> dict[str, Any]:
     return options
 
 
-def compile_graph(model: Model, sdk: str, options: dict[str, Any], table=None) -> Compiled:
-    """Run the pipeline on `model.graph` in place; nothing is written."""
+def compile_graph(model: Model, sdk: str, options: dict[str, Any], table=None, observe=None) -> Compiled:
+    """Run the pipeline on `model.graph` in place; nothing is written.
+
+    `observe(pass, graph)` runs after every pass (see `run_pipeline`).
+    """
     options = normalise(options)
     if table is None:
         from mtkc.capability import load_table
@@ -88,9 +91,51 @@ def compile_graph(model: Model, sdk: str, options: dict[str, Any], table=None) -
     ctx = Context(table, options, model.root, model.values)
     registry = load_registry(options["plugins"])
     pipeline = resolve_pipeline(registry, ctx, options["passes"], options["skip_passes"])
-    raw = coverage(model.graph, ctx)
-    records = run_pipeline(model.graph, pipeline, ctx, verify_each=bool(options["verify_each"]))
-    return Compiled(model, ctx, pipeline, records, {"raw": raw, "compiled": coverage(model.graph, ctx)})
+    raw = _raw_coverage(model.path, table, options)
+    records = run_pipeline(model.graph, pipeline, ctx, verify_each=bool(options["verify_each"]), observe=observe)
+    final = assessment(model.graph, ctx)
+    return Compiled(model, ctx, pipeline, records, {"raw": raw, "compiled": final and final.coverage})
+
+
+def compiled_coverage(model_path, table, options: dict[str, Any], watch: list[str]) -> tuple[float | None, dict[str, str]]:
+    """Coverage after the pipeline (run in memory), and for each node in `watch` the pass after
+    which it is gone (rewritten) or supported: {node name: pass name}."""
+    model = load(model_path)
+    pending = set(watch)
+    fixed: dict[str, str] = {}
+
+    def track(p, graph: gs.Graph) -> None:
+        nodes = {n.name: n for n in graph.nodes}
+        for name in sorted(pending):
+            node = nodes.get(name)
+            if node is None or table.verdict(node, graph.opset, model.values).supported:
+                fixed[name] = p.name
+                pending.discard(name)
+
+    compiled = compile_graph(model, table.version, {**options, "arch": table.arch}, table, observe=track)
+    return compiled.coverage["compiled"], fixed
+
+
+def assessment(graph: gs.Graph, ctx: Context):
+    """`mtkc.check.assess` of a graph (None when the table gives no verdicts, e.g. a stand-in)."""
+    from mtkc.capability import Table
+    from mtkc.check import assess
+
+    if not isinstance(ctx.table, Table):
+        return None
+    return assess(graph, ctx.table, graph.opset, ctx.read_values)
+
+
+def _raw_coverage(path: Path, table, options: dict[str, Any]) -> float | None:
+    """Coverage of the input as `mtkc check` computes it (shapes bound, no pass run)."""
+    from mtkc.capability import Table
+    from mtkc.check import check
+
+    if not isinstance(table, Table):
+        return None
+    shapes = {k: options[k] for k in ("seq_len", "cache_len", "batch")}
+    report = check(path, table.version, table.arch, input_shapes=options["input_shapes"] or None, compiled=False, **shapes)
+    return report.assessment.coverage
 
 
 def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.PathLike, options: dict[str, Any] | None = None, table=None) -> CompileResult:
@@ -120,17 +165,6 @@ def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.Pat
     if error is not None:
         raise error
     return CompileResult(out, data, report, compiled.records, variants)
-
-
-def coverage(graph: gs.Graph, ctx: Context) -> float | None:
-    """Fraction of nodes the table supports (None when the table gives no verdicts)."""
-    verdict = getattr(ctx.table, "verdict", None)
-    if verdict is None:
-        return None
-    if not graph.nodes:
-        return 1.0
-    supported = sum(1 for n in graph.nodes if verdict(n, graph.opset, ctx.read_values).supported)
-    return round(supported / len(graph.nodes), 6)
 
 
 def _variants(graph: gs.Graph, ctx: Context) -> list[GraphVariant]:
