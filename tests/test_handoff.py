@@ -144,3 +144,77 @@ def test_missing_converter_program_fails_with_exit_3(tmp_path):
     out, manifest = build_out(tmp_path)
     result = handoff.run(out, manifest, converter_cmd=f"{tmp_path}/no-such-tool {{input}}")
     assert result.section["ran"] is False and "not found" in result.section["reason"]
+
+
+# ---------------------------------------------------------------------------- through mtkc compile
+
+PASSES = ["bind-shapes", "fold", "cleanup", "mask", "rope", "rmsnorm", "swiglu", "attention"]
+
+
+def test_compile_cli_standin_sees_legal_partitions_and_failure_exits_3(exported, run_cli, tmp_path):
+    """Every NPU partition passes the stand-in's contract checks except the two holding the
+    injected failure (Softmax); the error names the first of them and its node."""
+    model = exported("qwen2", "legacy17")
+    out = tmp_path / "out"
+    code, _, err = run_cli("compile", model, "--sdk", "8.0", "--seq-len", "8", "--passes", ",".join(PASSES),
+                           "-o", out, "--converter-cmd", f"{STANDIN_CMD} --reject-op Softmax")
+    assert code == 3, err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["model"]["path"] == str(model.resolve()) and manifest["converter"]["ran"]
+    results = manifest["converter"]["partitions"]
+    npu = [p for p in manifest["graphs"][0]["partitions"] if p["target"] == "npu"]
+    assert [r["id"] for r in results] == [p["id"] for p in npu] and len(npu) > 4
+    softmax = {n for p in npu for n in p["nodes"] if n.endswith("Softmax")}
+    failed = [r for r in results if r["exit_code"]]
+    assert len(softmax) == 2 and len(failed) == 2
+    assert all(r["blame"]["method"] == "log-node" and set(r["blame"]["nodes"]) <= softmax for r in failed)
+    assert all(r["exit_code"] == 0 and (out / r["output"]).is_file() for r in results if r not in failed)
+    first = failed[0]
+    assert f"converter failed on partition model/{first['id']} (exit 1) at node '{first['blame']['nodes'][0]}'" in err
+    assert "1 more partition(s) failed" in err and (out / first["log"]).is_file()
+    assert f"{len(npu) - 2} converted, 2 failed." in (out / "report.md").read_text()
+
+
+def test_unsupported_and_forced_nodes_land_on_cpu_with_their_reason(tmp_path):
+    from mtkc.compile import compile_model
+
+    src = tmp_path / "src"
+    src.mkdir()
+    small_model(src / "model.onnx")
+    out = tmp_path / "out"
+    compile_model(src / "model.onnx", "8.0", out, {"passes": ["fold"], "force_cpu": ["node:tanh"], "no_convert": True})
+    report = json.loads((out / "report.json").read_text())
+    cpu = {c["node"]: (c["reason"], c["partition"]) for c in report["placement"]["model"]["cpu"]}
+    assert cpu == {"sin": ("op-unsupported", "cpu1"), "tanh": ("forced-cpu", "cpu3")}
+    overlay = json.loads((out / "model.placement.json").read_text())
+    assert overlay["results"]["sin"] == {"value": "CPU: op-unsupported", "bgColor": "#c62828"}
+    assert overlay["results"]["mm1"] == {"value": "NPU", "bgColor": "#2e7d32"}
+    assert set(overlay["results"]) == {"mm1", "add", "relu", "sin", "mul", "tanh", "mm2"}
+    text = (out / "report.md").read_text()
+    assert "| `sin` | Sin | cpu1 | op-unsupported |" in text and "| `tanh` | Tanh | cpu3 | forced-cpu | --force-cpu node:tanh |" in text
+    assert "Not run: --no-convert" in text
+    with pytest.raises(InputError, match=r"--force-npu node:sin: node 'sin' \(Sin\) is not supported on the NPU: op-unsupported"):
+        compile_model(src / "model.onnx", "8.0", tmp_path / "out2", {"passes": ["fold"], "force_npu": ["node:sin"]})
+    assert not (tmp_path / "out2").exists()
+
+
+def test_two_compiles_are_byte_identical(exported, tmp_path, monkeypatch):
+    from mtkc.compile import compile_model
+
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no converter on PATH: convert.sh only
+    outs = [tmp_path / name for name in ("a", "b")]
+    for out in outs:
+        compile_model(exported("qwen2", "legacy17"), "8.0", out, {"seq_len": 8, "passes": PASSES})
+    files = sorted(p.relative_to(outs[0]).as_posix() for p in outs[0].rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(outs[1]).as_posix() for p in outs[1].rglob("*") if p.is_file())
+    assert {"convert.sh", "report.md", "model.placement.json", "model.npu1.onnx", "weights.bin"} <= set(files)
+
+    def content(path: Path) -> bytes:
+        if path.name != "report.json":
+            return path.read_bytes()
+        report = json.loads(path.read_text())
+        for record in report["passes"]:
+            record.pop("seconds", None)  # wall-clock timings: diagnostic only
+        return json.dumps(report, sort_keys=True).encode()
+
+    assert [f for f in files if content(outs[0] / f) != content(outs[1] / f)] == []

@@ -3,81 +3,37 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import onnx
-import onnx_graphsurgeon as gs
 import pytest
 
 from mtkc import verify as V
+from mtkc.compile import compile_model
 from mtkc.errors import InputError
-from mtkc.execute import run
-from mtkc.model import load
-from mtkc.partition import name_nodes, partition, place
-from mtkc.manifest import tensor_spec
-from mtkc.stitch import cut
 
-SEQ = 8
-
-
-def annotate(graph: gs.Graph, feeds: dict) -> None:
-    """Give every tensor its concrete dtype/shape by running the graph once (test harness only)."""
-    probe = graph.copy()
-    tensors = [t for t in probe.tensors().values() if isinstance(t, gs.Variable) and t.inputs]
-    probe.outputs = tensors
-    values = run(probe, feeds)
-    for name, tensor in graph.tensors().items():
-        if name in values:
-            tensor.dtype, tensor.shape = values[name].dtype, list(values[name].shape)
-
-
-def toy_compile(model_path: Path, out: Path, cpu_ops=("Sin", "Cos", "Range")) -> dict:
-    """A stand-in for compile: bind [1,SEQ], place by op type, stitch, write the manifest."""
-    model = load(model_path)
-    graph = model.graph
-    for t in graph.inputs:
-        t.shape = [1, SEQ]
-    feeds = {"input_ids": np.arange(SEQ, dtype=np.int64)[None] + 3, "attention_mask": np.ones((1, SEQ), np.int64)}
-    annotate(graph, feeds)
-    name_nodes(graph)
-    verdict = lambda n: SimpleNamespace(supported=n.op not in cpu_ops, reason="op-not-in-table", detail=n.op)  # noqa: E731
-    parts, placements = partition(graph, place(graph, verdict))
-    out.mkdir(parents=True, exist_ok=True)
-
-    pieces = cut(graph, parts, placements, "model")
-    for piece in pieces:
-        onnx.save(gs.export_onnx(piece.graph), out / piece.entry["path"])
-    onnx.save(gs.export_onnx(graph), out / "model.onnx")
-    entries = [p.entry for p in pieces]
-    manifest = {
-        "schema_version": 1,
-        "model": {"path": str(model_path.resolve())},
-        "graphs": [{"name": "model", "path": "model.onnx", "inputs": [tensor_spec(t) for t in graph.inputs],
-                    "outputs": [tensor_spec(t) for t in graph.outputs], "partitions": entries}],
-    }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    return manifest
+PASSES = ["bind-shapes", "fold", "cleanup", "mask", "rope", "rmsnorm", "swiglu", "attention"]
 
 
 @pytest.fixture(scope="module")
 def compiled(exported, tmp_path_factory):
     out = tmp_path_factory.mktemp("verify") / "out"
-    manifest = toy_compile(exported("qwen2", "legacy17"), out)
-    return out, manifest
+    result = compile_model(exported("qwen2", "legacy17"), "8.0", out, {"seq_len": 8, "passes": PASSES, "no_convert": True})
+    return out, result.manifest
 
 
-def test_toy_compile_has_npu_and_cpu_partitions(compiled):
+def test_compiled_partitions_are_wired(compiled):
     _, manifest = compiled
     parts = manifest["graphs"][0]["partitions"]
     assert {p["target"] for p in parts} == {"npu", "cpu"}
     assert all(p["path"].startswith("model.") for p in parts)
-    cpu_ops = {r for p in parts if p["target"] == "cpu" for r in p["cpu_reasons"].values()}
-    assert cpu_ops <= {"op-not-in-table: Sin", "op-not-in-table: Cos", "op-not-in-table: Range"}
-    for p in parts:
+    assert all(p["cpu_reasons"] and set(p["cpu_reasons"]) == set(p["nodes"]) for p in parts if p["target"] == "cpu")
+    made = {"graph": {i["name"] for i in manifest["graphs"][0]["inputs"]}}
+    for p in parts:  # every input comes from the graph or an earlier partition that outputs it
         for i in p["inputs"]:
-            assert i["from"] == "graph" or i["from"] in [q["id"] for q in parts]
+            assert i["name"] in made[i["from"]], (p["id"], i)
+        made[p["id"]] = {o["name"] for o in p["outputs"]}
 
 
 def test_verify_passes_on_tiny_export(compiled):
@@ -86,6 +42,15 @@ def test_verify_passes_on_tiny_export(compiled):
     assert result.ok, V.format_text(result)
     assert {(c.pipeline, c.output) for c in result.checks} == {("partitions", "logits"), ("graph", "logits")}
     assert all(c.cosine > 0.99999 and c.max_abs < 1e-4 for c in result.checks)
+
+
+def test_verify_llama_kv_cache_export(exported, tmp_path):
+    out = tmp_path / "out"
+    compile_model(exported("llama", "legacy17", cache=True), "8.0", out,
+                  {"seq_len": 4, "cache_len": 8, "passes": PASSES, "no_convert": True})
+    result = V.verify(out, samples=1)
+    assert result.ok, V.format_text(result)
+    assert {c.output for c in result.checks} == {"logits"} | {f"present.{i}.{k}" for i in range(2) for k in ("key", "value")}
 
 
 def test_verify_cli_fails_naming_the_output_on_corrupted_partition(compiled, run_cli, tmp_path):
