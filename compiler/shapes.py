@@ -5,11 +5,12 @@ weight: constants larger than 1 KiB become typed graph inputs of a throwaway cop
 proto stays tiny, far below 2 GB), while small constants -- the int64 shape operands, axes and
 scalars that ONNX data propagation needs as VALUES to follow Shape -> Gather -> Concat ->
 Reshape chains -- stay inline. Inference is ONNX's own (`data_prop=True`). Outputs of nodes
-outside the ONNX domain keep the dtype/shape they had (ONNX has no schema for them).
+ONNX has no schema for (other domains, or ops newer than the graph's opset) keep theirs.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import onnx
@@ -67,7 +68,7 @@ def stripped_proto(graph: gs.Graph, root: Path | None = None) -> onnx.ModelProto
                     continue
                 node.attrs["value"] = gs.Constant(value.name, read_values(value, root))
         kept.append(node)
-        if _is_onnx(node):
+        if _has_schema(node, copy.opset):
             for out in node.outputs:
                 out.dtype, out.shape = None, None
     copy.nodes = kept
@@ -75,7 +76,7 @@ def stripped_proto(graph: gs.Graph, root: Path | None = None) -> onnx.ModelProto
     copy.toposort()  # ONNX inference is one forward sweep in node order
     io = {t.name for t in copy.inputs}
     for out in copy.outputs:
-        if out.name not in io and isinstance(out, gs.Variable) and out.inputs and _is_onnx(out.inputs[0]):
+        if out.name not in io and isinstance(out, gs.Variable) and out.inputs and _has_schema(out.inputs[0], copy.opset):
             out.dtype, out.shape = None, None
     return gs.export_onnx(copy, do_type_check=False)
 
@@ -88,3 +89,17 @@ def _inline(t: gs.Constant) -> bool:
 
 def _is_onnx(node: gs.Node) -> bool:
     return node.domain in (None, "", "ai.onnx")
+
+
+@functools.cache
+def _schema_known(op: str, domain: str, opset: int) -> bool:
+    try:
+        onnx.defs.get_schema(op, opset, domain)
+        return True
+    except onnx.defs.SchemaError:
+        return False
+
+
+def _has_schema(node: gs.Node, opset: int) -> bool:
+    """ONNX can infer this node (its op exists at the graph's opset); else keep what it has."""
+    return _is_onnx(node) and _schema_known(node.op, "", int(opset))
