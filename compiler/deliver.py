@@ -37,6 +37,9 @@ def finish(
     out = Path(out)
     manifest["model"] = {"path": str(Path(model_path).resolve())}
     report_data["placement"] = {name: report.placement(graph, s.parts, s.placements) for name, (graph, s) in splits.items()}
+    placed = [p for facts in report_data["placement"].values() for p in (facts["npu_nodes"], facts["nodes"])]
+    if isinstance(manifest.get("coverage"), dict) and placed:  # nodes placed on the NPU (after min size, overrides)
+        manifest["coverage"]["placed"] = round(sum(placed[0::2]) / max(1, sum(placed[1::2])), 6)
     result = handoff.run(out, manifest, converter, converter_cmd, bool(no_convert))
     manifest["converter"] = result.section
     report_data["converter"] = result.section

@@ -27,9 +27,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from mtkc.errors import InputError
+from mtkc.errors import InputError, MismatchError
 from mtkc.execute import session
 
+DYNAMIC_SEQ = 8  # tokens per sample when the compiled graph leaves the sequence length open
 MASK_MIN = -1.0e4  # any large finite negative value: softmax weight exp(-1e4) == 0 in fp32/fp16
 KV_INPUT = re.compile(r"^past_(key|value)_(\d+)$")
 KV_OUTPUT = re.compile(r"^present_(key|value)_(\d+)$")
@@ -126,7 +127,8 @@ def run_partitions(out: Path, graph: dict, feeds: dict[str, np.ndarray], session
         if path not in sessions:
             sessions[path] = load_session(path)
         names = [o["name"] for o in part["outputs"]]
-        env.update(zip(names, sessions[path].run(names, {i["name"]: env[i["name"]] for i in part["inputs"]})))
+        feeds_ = {i["name"]: env[i["name"]] for i in part["inputs"]}
+        env.update(zip(names, _guarded(lambda: sessions[path].run(names, feeds_), f"partition {graph['name']}/{part['id']}")))
     return {o["name"]: env[o["name"]] for o in graph["outputs"]}
 
 
@@ -134,6 +136,17 @@ def run_session(sess, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     names = [o.name for o in sess.get_outputs()]
     wanted = {i.name for i in sess.get_inputs()}
     return dict(zip(names, sess.run(names, {k: v for k, v in feeds.items() if k in wanted})))
+
+
+def _guarded(call, what: str):
+    """Run one onnxruntime call; a runtime failure is a verification failure naming `what`."""
+    try:
+        return call()
+    except MismatchError:
+        raise
+    except Exception as exc:  # onnxruntime raises its own Fail/InvalidArgument/RuntimeException types
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise MismatchError(f"verify: {what} does not run in onnxruntime: {first[:300]}") from None
 
 
 def compare(actual: np.ndarray, expected: np.ndarray, atol: float, rtol: float) -> tuple[float, float, float, bool]:
@@ -187,7 +200,7 @@ def build_feeds(original_inputs, compiled_inputs: list[dict], vocab: int, seed: 
             for d, size in zip(arg.shape, twin["shape"]):
                 if isinstance(d, str) and isinstance(size, int):
                     dims.setdefault(d, size)
-    seq = _dim(by_name, ("input_ids", "hidden_states", "position_ids"), 1, default=dims.get("sequence_length", 1))
+    seq = _dim(by_name, ("input_ids", "hidden_states", "position_ids"), 1, default=dims.get("sequence_length", DYNAMIC_SEQ))
     mask = by_name.get("attention_mask", {}).get("shape") or []
     if len(mask) == 4 and all(isinstance(d, int) for d in mask):
         cache = mask[3] - mask[2]
@@ -226,7 +239,7 @@ def build_feeds(original_inputs, compiled_inputs: list[dict], vocab: int, seed: 
         source = source_of.get(name)
         if name == "attention_mask" and len(shape) == 4:
             compiled[name] = causal_mask(shape[2], shape[3], dtype, host.mask_value, hidden=cache - past)
-        elif name in original and list(original[name].shape) == list(shape):
+        elif name in original and _fits(original[name].shape, shape):
             compiled[name] = original[name].astype(dtype)
         elif name == "position_ids":
             compiled[name] = positions.astype(dtype).reshape(shape)
@@ -284,7 +297,8 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
         for sample in range(samples):
             orig_feeds, feeds = build_feeds(reference.get_inputs(), graph["inputs"], vocab, sample, host)
             expected = run_session(reference, orig_feeds)
-            runs = {"partitions": run_partitions(out, graph, feeds, sessions), "graph": run_session(whole, feeds)}
+            runs = {"partitions": run_partitions(out, graph, feeds, sessions),
+                    "graph": _guarded(lambda: run_session(whole, feeds), f"graph {graph['path']}")}
             for pipeline, outputs in runs.items():
                 for name, value in outputs.items():
                     source = match_output(name, original_outputs)
@@ -340,6 +354,12 @@ def _dim(by_name: dict, names: tuple[str, ...], axis: int, default: int) -> int:
         if shape and len(shape) > axis and isinstance(shape[axis], int):
             return shape[axis]
     return default
+
+
+def _fits(actual: tuple, declared: list | None) -> bool:
+    """Whether a concrete shape fits a manifest shape (symbolic dims fit any size)."""
+    return declared is None or (len(actual) == len(declared) and
+                                all(not isinstance(d, int) or d == a for a, d in zip(actual, declared)))
 
 
 def _resolve(dim, axis: int, dims: dict, compiled: dict | None) -> int:
