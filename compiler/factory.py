@@ -39,7 +39,7 @@ from pathlib import Path
 VERSION = "1"  # bump when models or exports change; keys the test export cache
 FAMILIES = ("qwen2", "llama")
 SIZES = ("tiny", "0.5b", "1.5b")
-EXPORTERS = ("legacy14", "legacy17", "dynamo", "hf", "hf-ortfused", "ortopt")
+EXPORTERS = ("legacy14", "legacy17", "dynamo", "hf", "hf-ortfused", "dynamo-ortfused", "ortopt")
 TRACE_BATCH, TRACE_SEQ, TRACE_PAST = 2, 7, 5
 
 _DIMS = {  # hidden, layers, heads, kv heads, intermediate, vocab
@@ -193,19 +193,29 @@ def export(model, out_dir, exporter: str = "legacy17", cache: bool = False, attn
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "model.onnx"
+    previous = model.config._attn_implementation
     if attn is not None:
         model.set_attn_implementation(attn)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tracer warnings from transformers internals; expected
-        if exporter in ("legacy14", "legacy17"):
-            _export_legacy(model, path, int(exporter[-2:]), cache)
-        elif exporter == "dynamo":
-            _export_dynamo(model, path, cache)
-        elif exporter in ("hf", "hf-ortfused"):
-            _export_hf(model, out_dir, cache, ort_fusions="cpu" if exporter == "hf-ortfused" else None)
-        else:
-            _export_ortopt(model, path, cache)
+        try:
+            _export(model, out_dir, path, exporter, cache)
+        finally:
+            model.set_attn_implementation(previous)
     return path
+
+
+def _export(model, out_dir: Path, path: Path, exporter: str, cache: bool) -> None:
+    if exporter in ("legacy14", "legacy17"):
+        _export_legacy(model, path, int(exporter[-2:]), cache)
+    elif exporter == "dynamo":
+        _export_dynamo(model, path, cache)
+    elif exporter == "dynamo-ortfused":
+        _export_dynamo_ortfused(model, path, cache)
+    elif exporter in ("hf", "hf-ortfused"):
+        _export_hf(model, out_dir, cache, ort_fusions="cpu" if exporter == "hf-ortfused" else None)
+    else:
+        _export_ortopt(model, path, cache)
 
 
 def _dynamic_axes(n_layers: int, cache: bool) -> dict:
@@ -236,12 +246,64 @@ def _export_legacy(model, path: Path, opset: int, cache: bool) -> None:
 
 
 def _export_dynamo(model, path: Path, cache: bool) -> None:
-    raise NotImplementedError("dynamo exporter: coming next")
+    """dynamic_axes cannot express the `*past` signature: dynamic_shapes keyed by parameter name."""
+    import torch
+    from torch.export import Dim
+
+    batch, seq, past = Dim("batch_size"), Dim("sequence_length"), Dim("past_sequence_length")
+    shapes = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: Dim.DYNAMIC if cache else seq}}
+    if cache:
+        shapes["position_ids"] = {0: batch, 1: seq}
+        shapes["past"] = tuple({0: batch, 2: past} for _ in range(2 * model.config.num_hidden_layers))
+    inputs, outputs = io_names(model.config.num_hidden_layers, cache)
+    with torch.no_grad():
+        torch.onnx.export(wrap(model, cache), trace_inputs(model.config, cache), str(path), dynamo=True,
+                          external_data=True, dynamic_shapes=shapes, input_names=inputs, output_names=outputs)
 
 
 def _export_hf(model, out_dir: Path, cache: bool, ort_fusions: str | None) -> None:
-    raise NotImplementedError("hf exporter: coming next")
+    """transformers' exporter takes the model's own kwargs, a DynamicCache included."""
+    import torch
+    from transformers import DynamicCache
+    from transformers.exporters import OnnxConfig, OnnxExporter
+
+    feeds = trace_inputs(model.config, cache)
+    sample = {"input_ids": feeds[0], "attention_mask": feeds[1]}
+    if cache:
+        past = feeds[3:]
+        sample["position_ids"] = feeds[2]
+        sample["cache"] = DynamicCache([(past[i], past[i + 1]) for i in range(0, len(past), 2)], config=model.config)
+    else:
+        sample["use_cache"] = False
+    with torch.no_grad():
+        program = OnnxExporter().export(model, sample, config=OnnxConfig(dynamic=True, ort_fusions=ort_fusions))
+    program.save_pretrained(out_dir)
+
+
+def _export_dynamo_ortfused(model, path: Path, cache: bool) -> None:
+    """dynamo, then onnxscript's `ort_fusions.optimize_for_ort` (attention -> MultiHeadAttention)."""
+    import onnx_ir
+    from onnxscript.rewriter import ort_fusions
+
+    raw = path.with_name("dynamo.onnx")
+    _export_dynamo(model, raw, cache)
+    fused, _ = ort_fusions.optimize_for_ort(onnx_ir.load(raw))
+    onnx_ir.save(fused, path, external_data="model.onnx.data")
+    raw.unlink()
+    raw.with_name("dynamo.onnx.data").unlink()
 
 
 def _export_ortopt(model, path: Path, cache: bool) -> None:
-    raise NotImplementedError("ortopt exporter: coming next")
+    """legacy17, then ORT's transformer optimizer in place (it needs ~6x the weights in RAM)."""
+    import logging
+
+    from onnxruntime.transformers import optimizer
+
+    _export_legacy(model, path, 17, cache)
+    external = any(p.name != path.name for p in path.parent.iterdir())
+    logging.getLogger("onnxruntime.transformers").setLevel(logging.WARNING)
+    optimized = optimizer.optimize_model(str(path), model_type="qwen3", num_heads=model.config.num_attention_heads,
+                                         hidden_size=model.config.hidden_size)
+    for old in path.parent.iterdir():
+        old.unlink()
+    optimized.save_model_to_file(str(path), use_external_data_format=external, all_tensors_to_one_file=True)

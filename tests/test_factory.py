@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import onnx
+import onnx_graphsurgeon as gs
 import pytest
 
 from mtkc import execute, factory
 
-EXPORTERS = ["legacy14", "legacy17"]
 FAMILIES = ["qwen2", "llama"]
+EXPORTERS = ["legacy14", "legacy17", "dynamo", "hf", "hf-ortfused", "dynamo-ortfused", "ortopt"]
+SLOW = {("llama", "hf-ortfused"), ("llama", "dynamo-ortfused")}  # 20-50 s exports on a busy machine
+VARIANTS = [pytest.param(f, e, marks=[pytest.mark.slow] if (f, e) in SLOW else []) for e in EXPORTERS for f in FAMILIES]
+MS_OPS = {  # com.microsoft ops each fused variant must contain (tiny: 2 layers)
+    "hf-ortfused": {"SkipSimplifiedLayerNormalization": 4, "RotaryEmbedding": 4},
+    "dynamo-ortfused": {"SkipSimplifiedLayerNormalization": 4, "MultiHeadAttention": 2},
+    "ortopt": {"SkipSimplifiedLayerNormalization": 4},
+}
+
+
+def _graph(path):
+    return gs.import_onnx(onnx.load(str(path), load_external_data=False))
 
 
 def _run(path, feeds):
@@ -18,10 +32,11 @@ def _run(path, feeds):
     return execute.run(model, dict(zip(names, feeds)), root=path.parent)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("exporter", EXPORTERS)
+@pytest.mark.parametrize("family, exporter", VARIANTS)
 @pytest.mark.parametrize("cache", [False, True], ids=["nocache", "cache"])
 def test_export_matches_torch(exported, tiny_model, family, exporter, cache):
+    """Batch 3, seq 4, past 6 (trace: 2/7/5), row 0 left-padded; padded query rows are excluded
+    (fully masked rows are undefined: legacy zeroes them, dynamo does not)."""
     model = tiny_model(family)
     path = exported(family, exporter, cache)
     feeds = [t.numpy() for t in factory.trace_inputs(model.config, cache, batch=3, seq=4, past=6, seed=3)]
@@ -31,11 +46,17 @@ def test_export_matches_torch(exported, tiny_model, family, exporter, cache):
     else:
         ref = [factory.reference_logits(model, feeds[0], feeds[1])]
     assert list(got)[0] == "logits" and got["logits"].shape == (3, 4, model.config.vocab_size)
-    for name, want in zip(got, ref):
+    assert len(got) == len(ref) == (1 + 2 * model.config.num_hidden_layers if cache else 1)
+    valid = feeds[1][:, -4:].astype(bool)
+    np.testing.assert_allclose(got["logits"][valid], ref[0][valid], atol=1e-4, rtol=1e-4)
+    for name, want in list(zip(got, ref))[1:]:
         np.testing.assert_allclose(got[name], want, atol=1e-4, rtol=1e-4, err_msg=name)
+    ops = collections.Counter(n.op for n in _graph(path).nodes if n.domain == "com.microsoft")
+    assert dict(ops) | MS_OPS.get(exporter, {}) == dict(ops), ops
+    assert bool(ops) == (exporter in MS_OPS)
 
 
-@pytest.mark.parametrize("exporter", EXPORTERS)
+@pytest.mark.parametrize("exporter", ["legacy14", "legacy17", "dynamo", "ortopt"])
 def test_cache_io_names(exported, exporter):
     graph = onnx.load(str(exported("qwen2", exporter, cache=True)), load_external_data=False).graph
     assert [i.name for i in graph.input] == ["input_ids", "attention_mask", "position_ids",
@@ -45,6 +66,13 @@ def test_cache_io_names(exported, exporter):
                                               "present.1.key", "present.1.value"]
     dims = [d.dim_param or d.dim_value for d in graph.input[3].type.tensor_type.shape.dim]
     assert dims == ["batch_size", 2, "past_sequence_length", 16]
+
+
+def test_hf_keeps_its_own_cache_names(exported):
+    graph = onnx.load(str(exported("qwen2", "hf", cache=True)), load_external_data=False).graph
+    assert [i.name for i in graph.input][2:5] == ["position_ids", "input.cache.layers.0.keys",
+                                                  "input.cache.layers.0.values"]
+    assert [o.name for o in graph.output][-1] == "output.cache.layers.1.values"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
