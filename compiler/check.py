@@ -189,9 +189,7 @@ def finish_shapes(graph: gs.Graph, root: Path | None = None) -> None:
     if not all(_static(t) for t in graph.inputs) or all(_static(t) for t in graph.tensors().values()):
         return
     try:
-        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
-
-        inferred = SymbolicShapeInference.infer_shapes(shapes.stripped_proto(graph, root), auto_merge=True)
+        inferred = _symbolic_infer(shapes.stripped_proto(graph, root))
     except Exception as exc:  # it raises bare Exceptions on ops it cannot handle
         log.debug("symbolic shape inference failed: %s", exc)
         return
@@ -203,6 +201,19 @@ def finish_shapes(graph: gs.Graph, root: Path | None = None) -> None:
             if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
                 t.shape = [d.dim_value for d in dims]
                 t.dtype = t.dtype or onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
+
+
+def _symbolic_infer(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """`SymbolicShapeInference.infer_shapes` minus its failure path, which saves the model to the
+    working directory and raises: the tensors typed before the first op it cannot handle are kept."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    sym = SymbolicShapeInference(int_max=2**31 - 1, auto_merge=True, guess_output_rank=False, verbose=0)
+    sym._preprocess(proto)
+    while sym.run_:
+        sym._infer_impl()
+    sym._update_output_from_vi()
+    return sym.out_mp_
 
 
 def _static(t: gs.Tensor) -> bool:

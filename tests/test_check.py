@@ -137,3 +137,18 @@ def test_cache_dims_of_dynamo_and_hf_exports_bind(exported, exporter):
     assert open_cache.unbound and any(g.reason == "shape-dynamic" for g in open_cache.assessment.groups)
     bound = check(model, "8.0", seq_len=8, cache_len=16)
     assert bound.unbound == [] and not [g for g in bound.assessment.groups if g.reason == "shape-dynamic"]
+
+
+def test_ort_fused_export_and_no_stray_files(capsys, exported, tmp_path, monkeypatch):
+    """com.microsoft ops get op-level reasons; symbolic shape inference stops at FusedMatMul
+    without writing its debug model into the working directory, and types what precedes it."""
+    model = exported("qwen2", "hf-ortfused")
+    monkeypatch.chdir(tmp_path)
+    for sdk in ("6.0", "8.0"):
+        code, out, _ = mtkc(capsys, "check", model, "--sdk", sdk, "--seq-len", "8", "--format", "json")
+        found = groups(json.loads(out))
+        assert found[("RotaryEmbedding", "op-unsupported")]["remedy"].startswith("pass rope")
+        assert found[("SkipSimplifiedLayerNormalization", "op-unsupported")]["remedy"].startswith("pass rmsnorm")
+        assert found[("FusedMatMul", "op-not-in-table")]["domain"] == "com.microsoft"
+        assert not [g for g in found.values() if g["reason"] == "shape-dynamic"]
+    assert list(tmp_path.iterdir()) == []
