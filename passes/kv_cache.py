@@ -53,6 +53,7 @@ import networkx as nx
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc import shapes
 from mtkc.errors import InputError
 from mtkc.pass_api import Context, NodeNames, Pass, PassResult, register
 
@@ -240,14 +241,159 @@ def _name_io(graph: gs.Graph, layers: list[LayerCache]) -> dict[str, str]:
 # ---------------------------------------------------------------------------- no-cache exports
 
 _LAYOUT = {"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Identity", "Cast", "Tile"}
+_SCORE_PATH = {"Add", "Where", "Mul", "Div", "Cast", "Sub"}
+_PROB_PATH = {"Cast", "Where", "IsNaN", "Identity"}
 
 
 def insert_cache(graph: gs.Graph) -> list[LayerCache]:
-    """Cut K and V at each attention's entry and splice `Concat(past, new, axis=2)` in."""
-    raise InputError(
-        "model has no KV-cache inputs (past_key_values.*) and no attention (MatMul -> Softmax -> MatMul) "
-        "whose K/V could be cut; cannot build prefill/decode graphs"
-    )
+    """Cut K and V where they enter each attention and splice `Concat(past, new, axis=2)` in.
+
+        MatMul(Q, ·Kᵀ) ─ [Add mask | Where | Mul] ─ Softmax ─ [Where | Cast]* ─ MatMul(·, V)
+        K/V entry: walk up from the MatMul operand through layout ops (Transpose, Reshape,
+        Expand, Unsqueeze -- repeat_kv --, Mul by a constant scale) to the first other producer
+        (RoPE's Add for K) or to the head split Transpose(0,2,1,3) (V): [B, Hkv, S, D].
+
+    Positions: a no-cache export counts them from 0 (Range); the Range feeding cos/sin is
+    replaced by a new `position_ids` input, so decode rows get their real position.
+    """
+    shapes.infer(graph)
+    sites = []
+    for softmax in graph.nodes:
+        if softmax.op != "Softmax":
+            continue
+        qk = _find(softmax.inputs[0], _SCORE_PATH, up=True)
+        pv = _find(softmax.outputs[0], _PROB_PATH, up=False)
+        if qk is None or pv is None:
+            continue
+        sites.append((_kv_entry(qk.inputs[1]), _kv_entry(pv.inputs[1])))
+    if not sites:
+        raise InputError(
+            "model has no KV-cache inputs (past_key_values.*) and no attention (MatMul -> Softmax -> MatMul) "
+            "whose K/V could be cut; cannot build prefill/decode graphs")
+    probe = _probe_shapes(graph)
+    names = NodeNames(graph)
+    layers = []
+    for i, entries in enumerate(sites):
+        layer = LayerCache(i, {}, {})
+        for kind, new in zip(KINDS, entries):
+            shape = probe.get(new.name)
+            if shape is None or len(shape) != 4 or not all(isinstance(d, int) for d in shape[1::2]):
+                raise InputError(f"layer {i}: {kind} entry '{new.name}' has shape {shape}, expected [B, Hkv, S, D]")
+            past = gs.Variable(f"past_{kind}_{i}", np.float32, ["batch_size", shape[1], "past_sequence_length", shape[3]])
+            full = gs.Variable(f"kv_cache/{kind}_{i}", np.float32, None)
+            concat = gs.Node("Concat", names.new(f"kv_cache/concat_{kind}_{i}"), {"axis": 2}, [past, new], [full])
+            for node in list(new.outputs):
+                if node is not concat:
+                    for j, x in enumerate(node.inputs):
+                        if x is new:
+                            node.inputs[j] = full
+            graph.nodes.append(concat)
+            graph.inputs.append(past)
+            layer.past[kind], layer.concat[kind] = past, concat
+        layers.append(layer)
+    _position_input(graph, names, probe)
+    for t in graph.inputs:  # the 2-D mask now spans past + new tokens
+        if t.name == "attention_mask" and t.shape is not None and len(t.shape) == 2:
+            t.shape = [t.shape[0], "total_sequence_length"]
+    return layers
+
+
+def _probe_shapes(graph: gs.Graph) -> dict[str, list]:
+    """Tensor shapes with every symbolic input dim set to 1 (batch) or 3 (the rest): static
+    Hkv and D even where symbolic inference leaves them unknown (TorchScript's runtime reshapes)."""
+    probe = graph.copy()
+    for t in probe.inputs:
+        t.shape = [d if isinstance(d, int) else (1 if axis == 0 else 3) for axis, d in enumerate(t.shape or [])]
+    shapes.infer(probe)
+    return {name: t.shape for name, t in probe.tensors().items()}
+
+
+def _find(tensor: gs.Tensor, through: set[str], up: bool, depth: int = 6) -> gs.Node | None:
+    """The nearest MatMul upstream (`up`) of / downstream of `tensor`, via `through` ops only."""
+    frontier = [tensor]
+    for _ in range(depth):
+        nxt = []
+        for t in frontier:
+            for node in t.inputs if up else t.outputs:
+                if node.op == "MatMul" and (up or node.inputs[0] is t):
+                    return node
+                if node.op in through:
+                    nxt += [x for x in node.inputs if isinstance(x, gs.Variable)] if up else list(node.outputs)
+        frontier = nxt
+    return None
+
+
+def _kv_entry(tensor: gs.Tensor) -> gs.Variable:
+    for _ in range(16):
+        node = tensor.inputs[0] if tensor.inputs else None
+        if node is None or (node.op == "Transpose" and list(node.attrs.get("perm", [])) == [0, 2, 1, 3]):
+            return tensor
+        if node.op in _LAYOUT:
+            tensor = node.inputs[0]
+        elif node.op in ("Mul", "Div") and _scalar(node.inputs[1]):
+            tensor = node.inputs[0]
+        elif node.op == "Mul" and _scalar(node.inputs[0]):
+            tensor = node.inputs[1]
+        else:
+            return tensor
+    return tensor
+
+
+def _scalar(tensor: gs.Tensor) -> bool:
+    """A constant or a one-element tensor (a scale such as 1/sqrt(sqrt(D)))."""
+    return isinstance(tensor, gs.Constant) or (tensor.shape is not None and all(d == 1 for d in tensor.shape))
+
+
+def _position_input(graph: gs.Graph, names: NodeNames, probe: dict[str, list]) -> None:
+    """Feed cos/sin from a `position_ids [batch, seq]` input instead of Range(0, seq).
+
+    Only the rotary-only region (nodes whose every use leads to Cos/Sin) is rewired: the mask
+    construction that shares the Range keeps it, so the mask pass still sees a mask-only subgraph.
+    """
+    if any(t.name == "position_ids" for t in graph.inputs):
+        return
+    trig = [n for n in graph.nodes if n.op in ("Cos", "Sin")]
+    ancestors, stack = set(), list(trig)
+    while stack:
+        node = stack.pop()
+        if id(node) not in ancestors:
+            ancestors.add(id(node))
+            stack += [t.inputs[0] for t in node.inputs if t.inputs]
+    chain, stack = set(), [n for n in graph.nodes if n.op == "Range" and id(n) in ancestors]
+    while stack:
+        node = stack.pop()
+        if id(node) not in chain and id(node) in ancestors:
+            chain.add(id(node))
+            stack += [c for t in node.outputs for c in t.outputs]
+    if not chain:
+        return
+    rotary = {id(n) for n in trig}
+    for node in reversed(graph.nodes):
+        if id(node) in ancestors and all(id(c) in rotary for t in node.outputs for c in t.outputs):
+            rotary.add(id(node))
+    positions = gs.Variable("position_ids", np.int64, ["batch_size", "sequence_length"])
+    flat = None
+    for node in graph.nodes:
+        if id(node) not in rotary:
+            continue
+        for j, t in enumerate(node.inputs):
+            if not t.inputs or id(t.inputs[0]) not in chain or id(t.inputs[0]) in rotary:
+                continue
+            rank = len(probe.get(t.name) or [])
+            if rank == 2:
+                node.inputs[j] = positions
+            elif rank == 1:
+                if flat is None:
+                    flat = gs.Variable(names.new("kv_cache/positions"), np.int64, None)
+                    graph.nodes.append(gs.Node("Squeeze", names.new("kv_cache/positions_squeeze"), inputs=[
+                        positions, gs.Constant(names.new("kv_cache/axes0"), np.array([0], np.int64))], outputs=[flat]))
+                node.inputs[j] = flat
+            else:
+                raise InputError(f"RoPE positions '{t.name}' have rank {rank}; expected [seq] or [batch, seq]")
+            if t.dtype is not None and np.dtype(t.dtype) != np.int64:
+                raise InputError(f"RoPE positions '{t.name}' are {np.dtype(t.dtype)}, expected int64")
+    if positions.outputs:
+        graph.inputs.append(positions)
 
 
 # ---------------------------------------------------------------------------- kv-cache-io
