@@ -194,8 +194,10 @@ def _emit(graph, node, q_heads, kv_heads, scale, mask, past_k, past_v, causal) -
     three_d = len(q.shape) == 3
     if three_d and not (q_heads and kv_heads):
         return "3-D inputs need the head counts"
-    if three_d:
-        head = q.shape[-1] // int(q_heads) if isinstance(q.shape[-1], int) else None
+    if three_d:  # hidden size from whichever of q, k, v has it static
+        sizes = [t.shape[-1] // int(n) for t, n in ((q, q_heads), (k, kv_heads), (v, kv_heads))
+                 if t.shape is not None and isinstance(t.shape[-1], int)]
+        head = sizes[0] if sizes else None
     else:
         head = q.shape[-1] if isinstance(q.shape[-1], int) else None
         q_heads = q_heads or q.shape[1]

@@ -70,8 +70,9 @@ def find(graph: gs.Graph, ctx: Context | None = None):
 
 
 def _minus_one_operand(node: gs.Node) -> bool:
+    """Mul(x, -1.0) in floating point (an integer -1 is shape arithmetic)."""
     v = values_of(node.inputs[1]) if len(node.inputs) == 2 else None
-    return v is not None and v.size == 1 and float(v.reshape(-1)[0]) == -1.0
+    return v is not None and v.size == 1 and v.dtype.kind == "f" and float(v.reshape(-1)[0]) == -1.0
 
 
 def _halves(m) -> str | None:

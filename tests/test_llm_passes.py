@@ -32,7 +32,10 @@ FUSED = {"RMSNormalization", "RotaryEmbedding", "Attention", "MultiHeadAttention
          "SkipSimplifiedLayerNormalization"}
 FORBIDDEN = {"Sin", "Cos", "Range", "Where", "IsNaN", "Neg", "GatherND"} | FUSED
 EXPORTS = [("qwen2", e, cache) for e in ("legacy14", "legacy17", "dynamo", "hf", "hf-ortfused") for cache in (False, True)] \
+    + [("qwen2", "dynamo-ortfused", False), ("qwen2", "ortopt", False)] \
     + [("llama", "legacy17", True), ("llama", "dynamo", False), ("llama", "hf", True)]
+# ortopt's 0-d Slice axes trip int64-to-int32 (np.clip of a 0-d array is a scalar): reported to its owner
+PIPELINE_EXPORTS = [e for e in EXPORTS if e[1] != "ortopt"]
 
 
 def _ctx(sdk="6.0", model=None, **options):
@@ -114,9 +117,9 @@ def test_sites_per_exporter(exported, family, exporter, cache):
     norms = len(rmsnorm.find(graph)[0]) + _fused(graph, {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization",
                                                          "RMSNormalization"})
     ropes = len(rope.find(graph)[0]) + _fused(graph, {"RotaryEmbedding"})
-    assert (norms, ropes, len(swiglu.find(graph)[0]), len(attention.find(graph)[0])) == \
-        (2 * LAYERS + 1, 2 * LAYERS, LAYERS, LAYERS)
-    assert not rmsnorm.find(graph)[1] and not swiglu.find(graph)[1] and not attention.find(graph)[1]
+    attentions = len(attention.find(graph)[0]) + _fused(graph, {"MultiHeadAttention", "Attention"})
+    assert (norms, ropes, len(swiglu.find(graph)[0]), attentions) == (2 * LAYERS + 1, 2 * LAYERS, LAYERS, LAYERS)
+    assert not any(m.find(graph)[1] for m in (rmsnorm, rope, swiglu, attention))
 
 
 # -- the full pipeline ---------------------------------------------------------------------------
@@ -134,7 +137,7 @@ def _mapped(pipeline, ctx, feeds, graph):
     return {t.name: feeds[t.name] for t in graph.inputs}
 
 
-@pytest.mark.parametrize("family,exporter,cache", EXPORTS)
+@pytest.mark.parametrize("family,exporter,cache", PIPELINE_EXPORTS)
 def test_pipeline_sdk6(exported, family, exporter, cache):
     model = load(exported(family, exporter, cache))
     graph, ctx, pipeline, records = _compile(model, "6.0", cache, rope_mode="pos_emb")
