@@ -125,7 +125,7 @@ def run_partitions(out: Path, graph: dict, feeds: dict[str, np.ndarray], session
             raise InputError(f"manifest: partition {graph['name']}/{part['id']} input '{missing[0]}' is made by no earlier partition")
         path = Path(out) / part["path"]
         if path not in sessions:
-            sessions[path] = load_session(path)
+            sessions[path] = _guarded(lambda: load_session(path), f"partition {graph['name']}/{part['id']}")
         names = [o["name"] for o in part["outputs"]]
         feeds_ = {i["name"]: env[i["name"]] for i in part["inputs"]}
         env.update(zip(names, _guarded(lambda: sessions[path].run(names, feeds_), f"partition {graph['name']}/{part['id']}")))
@@ -142,7 +142,7 @@ def _guarded(call, what: str):
     """Run one onnxruntime call; a runtime failure is a verification failure naming `what`."""
     try:
         return call()
-    except MismatchError:
+    except (MismatchError, InputError):
         raise
     except Exception as exc:  # onnxruntime raises its own Fail/InvalidArgument/RuntimeException types
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -285,14 +285,20 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
     """Compare every manifest graph (partitions wired, and whole) with the original model."""
     out = Path(out)
     manifest = load_manifest(out)
-    reference = load_session(original_path(manifest, out, model))
+    source = original_path(manifest, out, model)
+    try:
+        reference = load_session(source)
+    except InputError:
+        raise
+    except Exception as exc:
+        raise InputError(f"{source}: the original model does not load in onnxruntime ({type(exc).__name__})") from None
     original_outputs = [o.name for o in reference.get_outputs()]
     worst: dict[tuple, Check] = {}
     skipped: list[str] = []
     sessions: dict = {}
     host = Host.from_manifest(manifest, out)
     for graph in manifest.get("graphs", []):
-        whole = load_session(out / graph["path"])
+        whole = _guarded(lambda: load_session(out / graph["path"]), f"graph {graph['path']}")
         vocab = _vocab(graph, reference)
         for sample in range(samples):
             orig_feeds, feeds = build_feeds(reference.get_inputs(), graph["inputs"], vocab, sample, host)
