@@ -26,6 +26,18 @@ def source(exported) -> Path:
     return exported("qwen2", "legacy17")
 
 
+def cli(capsys, *args, cwd: Path | None = None, monkeypatch=None) -> tuple[int, str, str]:
+    """`mtkc ARGS` in this process (exit code, stdout, stderr); relative paths from `cwd` (default: repo)."""
+    from mtkc.cli import main
+
+    capsys.readouterr()
+    if monkeypatch is not None:
+        monkeypatch.chdir(cwd or ROOT)
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
@@ -95,16 +107,16 @@ def test_a_failing_pass_writes_nothing(source, tmp_path):
 # --- CLI ------------------------------------------------------------------------------------
 
 
-def test_cli_plugin_is_listed_and_runs(run_cli, source, tmp_path):
+def test_cli_plugin_is_listed_and_runs(capsys, monkeypatch, source, tmp_path):
     plugin = f"{PLUGINS}/strip_identity.py"
-    code, out, err = run_cli("passes", "--sdk", SDK, "--plugin", plugin, "--format", "json", cwd=ROOT)
+    code, out, err = cli(capsys, "passes", "--sdk", SDK, "--plugin", plugin, "--format", "json", monkeypatch=monkeypatch)
     assert code == 0, err
     rows = {r["name"]: r for r in json.loads(out)["passes"]}
     assert rows["strip-identity"] == {"name": "strip-identity", "origin": f"plugin {plugin}", "applies": True,
                                       "default": True, "description": "bypass Identity nodes (test plugin)"}
     assert rows["fold"]["origin"] == "built-in"
-    code, out, err = run_cli("compile", source, "--sdk", SDK, "--seq-len", "8", "--plugin", plugin,
-                             "--passes", "bind-shapes,fold,strip-identity", "-o", tmp_path / "out", cwd=ROOT)
+    code, out, err = cli(capsys, "compile", source, "--sdk", SDK, "--seq-len", "8", "--plugin", plugin,
+                         "--passes", "bind-shapes,fold,strip-identity", "-o", tmp_path / "out")
     assert code == 0, err
     passes = json.loads((tmp_path / "out" / "manifest.json").read_text())["passes"]
     assert [p["name"] for p in passes] == ["bind-shapes", "fold", "strip-identity"]
@@ -117,33 +129,33 @@ def test_cli_plugin_is_listed_and_runs(run_cli, source, tmp_path):
         ("import_error", 2, f"mtkc: error: plugin {PLUGINS}/import_error.py failed to import: ModuleNotFoundError"),
     ],
 )
-def test_cli_bad_plugins_are_named_and_nothing_is_written(run_cli, source, tmp_path, plugin, code, message):
+def test_cli_bad_plugins_are_named_and_nothing_is_written(capsys, monkeypatch, source, tmp_path, plugin, code, message):
     names = {"negate_output": "negate-output", "import_error": "fold"}
-    got, out, err = run_cli("compile", source, "--sdk", SDK, "--verify-each", "--plugin", f"{PLUGINS}/{plugin}.py",
-                            "--passes", names[plugin], "-o", tmp_path / "out", cwd=ROOT)
+    got, out, err = cli(capsys, "compile", source, "--sdk", SDK, "--verify-each", "--plugin", f"{PLUGINS}/{plugin}.py",
+                        "--passes", names[plugin], "-o", tmp_path / "out", monkeypatch=monkeypatch)
     assert got == code and err.startswith(message), err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
 
 
-def test_cli_config_file_and_override(run_cli, source, tmp_path):
+def test_cli_config_file_and_override(capsys, monkeypatch, source, tmp_path):
     (tmp_path / "mtkc.toml").write_text(f'sdk = "{SDK}"\nseq_len = 8\npasses = ["bind-shapes", "fold", "rmsnorm"]\n')
-    code, _, err = run_cli("compile", source, "-o", "out1", cwd=tmp_path)
+    code, _, err = cli(capsys, "compile", source, "-o", "out1", cwd=tmp_path, monkeypatch=monkeypatch)
     assert code == 0, err
     manifest = json.loads((tmp_path / "out1" / "manifest.json").read_text())
     assert [p["name"] for p in manifest["passes"]] == ["bind-shapes", "fold", "rmsnorm"]
     assert manifest["options"]["seq_len"] == 8
-    code, _, err = run_cli("compile", source, "-o", "out2", "--passes", "bind-shapes,fold", "--seq-len", "4", cwd=tmp_path)
+    code, _, err = cli(capsys, "compile", source, "-o", "out2", "--passes", "bind-shapes,fold", "--seq-len", "4")
     assert code == 0, err
     manifest = json.loads((tmp_path / "out2" / "manifest.json").read_text())
     assert [p["name"] for p in manifest["passes"]] == ["bind-shapes", "fold"]
     assert manifest["graphs"][0]["inputs"][0]["shape"] == [1, 4]
     (tmp_path / "mtkc.toml").write_text('sdk = "8.0"\nsequence = 8\n')
-    code, _, err = run_cli("compile", source, "-o", "out3", cwd=tmp_path)
+    code, _, err = cli(capsys, "compile", source, "-o", "out3")
     assert code == 2 and "mtkc.toml: unknown key 'sequence'" in err and not (tmp_path / "out3").exists()
 
 
-def test_cli_explain_and_verbose_stats(run_cli, source, tmp_path):
+def test_cli_explain_and_verbose_stats(capsys, run_cli, source, tmp_path):
     code, out, err = run_cli("compile", source, "--sdk", SDK, "--seq-len", "8", "--passes", "bind-shapes,fold,rmsnorm",
                              "--explain", "rmsnorm", "-v", "-o", tmp_path / "out")
     assert code == 0, err
@@ -153,13 +165,13 @@ def test_cli_explain_and_verbose_stats(run_cli, source, tmp_path):
     assert len(out.splitlines()) == 1 + len(rms["misses"])
     stats = [line for line in err.splitlines() if " rewrites  nodes " in line]
     assert [line.split()[0] for line in stats] == ["bind-shapes", "fold", "rmsnorm"]
-    code, _, err = run_cli("compile", source, "--sdk", SDK, "--explain", "nope", "-o", tmp_path / "x")
+    code, _, err = cli(capsys, "compile", source, "--sdk", SDK, "--explain", "nope", "-o", tmp_path / "x")
     assert code == 2 and "unknown pass 'nope'" in err and not (tmp_path / "x").exists()
 
 
-def test_cli_default_pipeline_verified_each_pass(run_cli, source, tmp_path):
+def test_cli_default_pipeline_verified_each_pass(capsys, source, tmp_path):
     """The product path: the SDK's default pipeline, every changing pass checked in onnxruntime."""
-    code, _, err = run_cli("compile", source, "--sdk", SDK, "--seq-len", "8", "--verify-each", "-o", tmp_path / "out")
+    code, _, err = cli(capsys, "compile", source, "--sdk", SDK, "--seq-len", "8", "--verify-each", "-o", tmp_path / "out")
     assert code == 0, err
     compiled = load(tmp_path / "out" / "model.onnx")
     outputs = execute.run(compiled.graph, execute.seeded_inputs(compiled.graph, 0), compiled.root)
