@@ -66,8 +66,8 @@ class Mask(Pass):
         result = PassResult()
         old = _mask_input(graph)
         softmaxes = [n for n in graph.nodes if n.op == "Softmax"]
-        if old is None:
-            result.misses = [Miss(n.name, "no 2-D integer attention_mask graph input") for n in softmaxes]
+        if old is None:  # nothing to replace (already an additive input, or no mask at all)
+            result.notes.append("no 2-D integer attention_mask input")
             return result
         derived = _downstream([old]) - _downstream([t for t in graph.inputs if t is not old])
         self.value = float(ctx.options.get("mask_value") or DEFAULT_VALUE)

@@ -28,7 +28,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.pass_api import Context, Miss, Pass, PassResult, register
-from mtkc.pattern import Const, Emit, Match, Op, Opt, Or, Var, near, replace_uses, values_of
+from mtkc.pattern import Const, Emit, Match, Op, Opt, Or, Var, constant_of, near, replace_uses, values_of
 
 MS = "com.microsoft"
 FUSED = {("", "RMSNormalization"), ("", "SimplifiedLayerNormalization"), (MS, "SimplifiedLayerNormalization"),
@@ -44,8 +44,13 @@ def _scalar(values) -> str | None:
     return None if values.size == 1 and np.issubdtype(values.dtype, np.floating) else "eps is not a float scalar"
 
 
-def _vector(values) -> str | None:
-    return None if values.ndim == 1 else f"gamma has shape {list(values.shape)}, expected a vector"
+def _vector(tensor: gs.Tensor) -> str | None:
+    """gamma is a constant vector (checked on its shape: the weight is not read)."""
+    const = constant_of(tensor)
+    if const is None:
+        return f"gamma '{tensor.name}' is not a constant"
+    shape = list(const.shape)
+    return None if shape and all(d == 1 for d in shape[:-1]) else f"gamma has shape {shape}, expected a vector"
 
 
 def _same_float_cast(node: gs.Node) -> str | None:
@@ -78,7 +83,7 @@ def _pattern() -> Op:
     inv = Or(Op("Reciprocal", rms), Op("Div", Const(value=1.0), rms),
              Op("Pow", Op("Add", mean, Const("eps", check=_scalar)), Const(value=-0.5)))
     normed = Or(Op("Mul", xf, inv), Op("Div", xf, rms))
-    return Op("Mul", Opt("Cast", normed, check=_same_float_cast), Const("gamma", check=_vector), name="out")
+    return Op("Mul", Opt("Cast", normed, check=_same_float_cast), Var("gamma", check=_vector), name="out")
 
 
 PATTERN = _pattern()
@@ -122,6 +127,9 @@ def emit_norm(graph: gs.Graph, ctx: Context, x: gs.Tensor, gamma: gs.Tensor, eps
     e = Emit(graph, prefix)
     dtype, shape = x.dtype, x.shape
     if native(ctx):
+        const = constant_of(gamma)
+        if const is not None and len(const.shape) != 1:  # [1, 1, H] after rank legalisation: the op takes [H]
+            gamma = e.const("gamma", np.asarray(values_of(const, ctx.read_values)).reshape(-1))
         return e.op("SimplifiedLayerNormalization", [x, gamma], {"axis": -1, "epsilon": float(eps), "stash_type": 1},
                     dtype=dtype, shape=shape)
     fdt = np.dtype(dtype) if dtype is not None else np.dtype(np.float32)

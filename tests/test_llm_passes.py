@@ -289,3 +289,13 @@ def test_swiglu_merges_gate_and_up_when_asked(exported):
     feeds = _feeds(model.graph, False)
     np.testing.assert_allclose(run(graph, feeds, model.root)["logits"], run(model.graph, feeds, model.root)["logits"],
                                atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("exporter", ["legacy17", "hf-ortfused"])
+def test_passes_are_idempotent(exported, exporter):
+    model = load(exported("qwen2", exporter, True))
+    graph, ctx, pipeline, records = _compile(model, "6.0", True, rope_mode="pos_emb")
+    assert [records[p].rewrites > 0 for p in ("rope", "rmsnorm", "attention", "mask", "embedding")] == [True] * 5
+    again = {p.name: p().run(graph, ctx) for p in (rope.Rope, rmsnorm.RMSNorm, swiglu.SwiGLU, attention.Attention,
+                                                    mask.Mask, embedding.Embedding)}
+    assert {name: (r.rewrites, r.misses) for name, r in again.items()} == {name: (0, []) for name in again}
