@@ -71,9 +71,12 @@ def markdown(manifest: dict, report: dict) -> str:
     sdk, arch = manifest.get("sdk"), manifest.get("arch")
     source = (report.get("input") or {}).get("file") or "model"
     lines = [f"# mtkc compile report: {source}", "", f"NeuroPilot SDK {sdk}, arch {arch}.", "", "## Summary", ""]
-    lines += _table(["graph", "nodes", "NPU", "CPU", "NPU coverage", "partitions (NPU / CPU)"], [
+    crossings = {g["name"]: sum(1 for p in g.get("partitions", []) for i in p["inputs"] if i.get("from", "graph") != "graph")
+                 for g in manifest.get("graphs", [])}
+    lines += _table(["graph", "nodes", "NPU", "CPU", "NPU coverage", "partitions (NPU / CPU)", "tensors handed between partitions"], [
         [g, p["nodes"], p["npu_nodes"], p["cpu_nodes"], f"{100 * p['coverage']:.1f}%",
-         f"{sum(q['target'] == NPU for q in p['partitions'])} / {sum(q['target'] == CPU for q in p['partitions'])}"]
+         f"{sum(q['target'] == NPU for q in p['partitions'])} / {sum(q['target'] == CPU for q in p['partitions'])}",
+         crossings.get(g, 0)]
         for g, p in report.get("placement", {}).items()])
     coverage = manifest.get("coverage") or {}
     if coverage.get("raw") is not None:
