@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import importlib.util
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -11,6 +13,7 @@ import pytest
 
 from mtkc import execute, factory
 
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FAMILIES = ["qwen2", "llama"]
 EXPORTERS = ["legacy14", "legacy17", "dynamo", "hf", "hf-ortfused", "dynamo-ortfused", "ortopt"]
 SLOW = {("llama", "hf-ortfused"), ("llama", "dynamo-ortfused")}  # 20-50 s exports on a busy machine
@@ -94,3 +97,15 @@ def test_qwen2_tiny_config():
     assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
             config.num_key_value_heads, config.intermediate_size, config.vocab_size) == (64, 2, 4, 2, 128, 1000)
     assert config.tie_word_embeddings and factory.model_config("qwen2", "0.5b", layers=12).num_hidden_layers == 12
+
+
+def test_example_qwen_tiny_exports_and_checks(tmp_path, capsys):
+    """The README's first command: build, export (legacy17 + KV cache), check for SDK 6.0 and 9.0."""
+    spec = importlib.util.spec_from_file_location("qwen_tiny", EXAMPLES / "qwen_tiny.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("== mtkc check --sdk") == 2 and "NeuroPilot 6.0" in out and "NeuroPilot 9.0" in out
+    inputs = [i.name for i in onnx.load(str(tmp_path / "export" / "model.onnx"), load_external_data=False).graph.input]
+    assert inputs[2:4] == ["position_ids", "past_key_values.0.key"]
