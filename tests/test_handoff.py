@@ -229,3 +229,25 @@ def test_placeholders_fill_names_and_shapes():
     assert values["input_shapes"] == "1,128,640:1,1,128,640"
     backend = handoff.command_backend("conv --shapes={input_shapes} '{input}' -o {output}")
     assert backend.steps == [["conv", "--shapes={input_shapes}", "{input}", "-o", "{output}"]]
+
+
+def test_mediatek_chain_runs_both_steps_when_installed(tmp_path, monkeypatch):
+    """Fake mtk_onnx_converter / ncc-tflite on PATH: the table's two commands run per partition."""
+    out, manifest = build_out(tmp_path)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = {  # each writes the file named after its output flag, and echoes its argv
+        "mtk_onnx_converter": "import sys; a = sys.argv; open(a[a.index('--output_file') + 1], 'w').write('tflite')",
+        "ncc-tflite": "import sys; a = sys.argv; open(a[a.index('-o') + 1], 'w').write('dla')",
+    }
+    for name, code in fake.items():
+        (bin_dir / name).write_text(f"#!{sys.executable}\n{code}\nprint(' '.join(sys.argv[1:]))\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.setattr(handoff.importlib.util, "find_spec", lambda name: None)  # no mtk_converter wheel
+    result = handoff.run(out, manifest, load_table("8.0").converter)
+    assert result.error is None and result.section["backend"] == "mediatek-cli" and result.section["ran"]
+    assert (out / "dla" / "model.npu2.tflite").read_text() == "tflite"
+    assert (out / "dla" / "model.npu2.dla").read_text() == "dla"
+    log = (out / "logs" / "model.npu2.log").read_text()
+    assert "--tflite_op_export_spec npsdk_v8" in log and "--arch=mdla5.3 --relax-fp32 -O3" in log
