@@ -251,3 +251,28 @@ def test_mediatek_chain_runs_both_steps_when_installed(tmp_path, monkeypatch):
     assert (out / "dla" / "model.npu2.dla").read_text() == "dla"
     log = (out / "logs" / "model.npu2.log").read_text()
     assert "--tflite_op_export_spec npsdk_v8" in log and "--arch=mdla5.3 --relax-fp32 -O3" in log
+
+
+def test_mediatek_python_api_preferred_when_importable(tmp_path, monkeypatch):
+    out, manifest = build_out(tmp_path)
+    pkg = tmp_path / "site"
+    pkg.mkdir()
+    (pkg / "mtk_converter.py").write_text(
+        "import json\n"
+        "class OnnxConverter:\n"
+        "    @classmethod\n"
+        "    def from_model_proto_file(cls, path, input_names=None, input_shapes=None):\n"
+        "        c = cls(); c.args = [path.rsplit('/', 1)[-1], input_names, input_shapes]; return c\n"
+        "    def convert_to_tflite(self, output_file, tflite_op_export_spec):\n"
+        "        open(output_file, 'w').write(json.dumps(self.args + [tflite_op_export_spec]))\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ncc-tflite").write_text(f"#!{sys.executable}\nimport sys; a = sys.argv; open(a[a.index('-o') + 1], 'w').write('dla')\n")
+    (bin_dir / "ncc-tflite").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.setenv("PYTHONPATH", str(pkg))
+    monkeypatch.syspath_prepend(str(pkg))
+    result = handoff.run(out, manifest, load_table("8.0").converter)
+    assert result.error is None and result.section["backend"] == "mediatek-python"
+    assert json.loads((out / "dla" / "model.npu2.tflite").read_text()) == [
+        "model.npu2.onnx", ["r", "s"], [[1, N], [1, N]], "npsdk_v8"]
