@@ -7,7 +7,7 @@ import json
 import sys
 
 from mtkc.commands.options import add_common
-from mtkc.errors import MismatchError
+from mtkc.errors import InputError, MismatchError
 from mtkc.verify import format_text, verify
 
 
@@ -32,6 +32,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.samples < 1:
+        raise InputError(f"--samples {args.samples}: must be at least 1")
     result = verify(args.out, samples=args.samples, atol=args.atol, rtol=args.rtol,
                     min_cosine=args.min_cosine, model=args.model)
     if args.format == "json":
