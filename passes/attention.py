@@ -14,11 +14,13 @@ Matched (anchor: each Softmax; each fused op is a site):
                   (they only zero fully-masked rows; a finite additive mask has none)
     eager export  Mul(MatMul(Q, Kᵀ), s) | Div(MatMul(Q, Kᵀ), √d): already canonical
     com.microsoft MultiHeadAttention (3-D or BNSH K/V, optional attention_bias, no past/padding mask)
+    com.microsoft GroupQueryAttention (separate K/V, past/present, causal; seqlens_k is taken as
+        past + seq - 1, i.e. no padding: the mask pass supplies padding as an additive mask)
     Attention (opset 23) (3-D or 4-D, float or bool mask, is_causal, past/present, GQA)
 
 GQA heads are repeated 4-D, as MediaTek's export does: Tile(K, [1,1,n_rep,1]) -> Reshape [B, H, L, D].
-Refused: softcap, qk_matmul_output, unknown head size; com.microsoft GroupQueryAttention (its
-implicit seqlens_k mask is not rewritten).
+Refused: softcap, qk_matmul_output, unknown head size or lengths (static shapes needed for the
+causal mask); GroupQueryAttention with packed QKV, rotary, local window or smooth softmax.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from mtkc.pass_api import Context, Miss, Pass, PassResult, register
 from mtkc.pattern import Const, Emit, Op, Or, Var, near, replace_uses, values_of
 
 MS = "com.microsoft"
-NEG = np.float32(-3.4028234663852886e38)
+MASKED = -100.0  # finite (fp16/int16-safe) additive value for masked keys; option `mask_value`
 
 
 def _last(axis) -> bool:
@@ -69,8 +71,9 @@ class Attention(Pass):
 
     def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
         result = PassResult()
+        masked = float(ctx.options.get("mask_value") or MASKED)
         for node in [n for n in graph.nodes if _fused_kind(n)]:
-            why = _decompose(graph, node)
+            why = _decompose(graph, node, masked)
             if why:
                 result.misses.append(Miss(node.name, why))
             else:
@@ -169,25 +172,31 @@ def _input(node: gs.Node, i: int) -> gs.Tensor | None:
     return node.inputs[i] if len(node.inputs) > i and node.inputs[i].name else None
 
 
-def _decompose(graph: gs.Graph, node: gs.Node) -> str | None:
+def _decompose(graph: gs.Graph, node: gs.Node, masked: float) -> str | None:
     kind = _fused_kind(node)
-    if kind == "GroupQueryAttention":
-        return "com.microsoft GroupQueryAttention (implicit seqlens_k mask) is not decomposed"
     used = [i for i, o in enumerate(node.outputs) if o.outputs or o in graph.outputs]
+    if kind == "GroupQueryAttention":
+        if _input(node, 1) is None or any(_input(node, i) for i in (7, 8, 11)) or node.attrs.get("do_rotary", 0):
+            return "GroupQueryAttention with packed QKV, rotary or head_sink is not decomposed"
+        if node.attrs.get("softcap", 0.0) or node.attrs.get("smooth_softmax", 0) or \
+                node.attrs.get("local_window_size", -1) not in (-1, None):
+            return "GroupQueryAttention with softcap, smooth_softmax or a local window is not decomposed"
+        return _emit(graph, node, node.attrs.get("num_heads"), node.attrs.get("kv_num_heads"), node.attrs.get("scale"),
+                     _input(node, 10), _input(node, 3), _input(node, 4), True, masked)
     if kind == "MultiHeadAttention":
         if any(_input(node, i) for i in (3, 4, 6, 7)) or used != [0]:
             return "MultiHeadAttention with bias, key_padding_mask, past or present is not decomposed"
         if node.attrs.get("unidirectional", 0):
             return "unidirectional MultiHeadAttention is not decomposed"
         heads = int(node.attrs["num_heads"])
-        return _emit(graph, node, heads, heads, node.attrs.get("scale"), _input(node, 5), None, None, False)
+        return _emit(graph, node, heads, heads, node.attrs.get("scale"), _input(node, 5), None, None, False, masked)
     if node.attrs.get("softcap", 0.0) or 3 in used:
         return "Attention with softcap or qk_matmul_output is not decomposed"
     return _emit(graph, node, node.attrs.get("q_num_heads"), node.attrs.get("kv_num_heads"), node.attrs.get("scale"),
-                 _input(node, 3), _input(node, 4), _input(node, 5), bool(node.attrs.get("is_causal", 0)))
+                 _input(node, 3), _input(node, 4), _input(node, 5), bool(node.attrs.get("is_causal", 0)), masked)
 
 
-def _emit(graph, node, q_heads, kv_heads, scale, mask, past_k, past_v, causal) -> str | None:
+def _emit(graph, node, q_heads, kv_heads, scale, mask, past_k, past_v, causal, masked) -> str | None:
     q, k, v = node.inputs[:3]
     if q.shape is None or len(q.shape) not in (3, 4):
         return "query rank unknown"
@@ -232,11 +241,11 @@ def _emit(graph, node, q_heads, kv_heads, scale, mask, past_k, past_v, causal) -
     scores = e.op("MatMul", [qs, kt], dtype=f32)
     if mask is not None:
         if mask.dtype == np.bool_:
-            mask = e.op("Where", [mask, e.const("zero", np.array(0.0, dtype)), e.const("neg", np.array(NEG, dtype))],
+            mask = e.op("Where", [mask, e.const("zero", np.array(0.0, dtype)), e.const("neg", np.array(masked, dtype))],
                         dtype=f32)
         scores = e.op("Add", [scores, mask], dtype=f32)
     if causal:
-        bias = _causal_bias(q, k, past_k, dtype)
+        bias = _causal_bias(q, k, past_k, dtype, masked)
         if bias is None:
             return "is_causal needs static query and key lengths"
         scores = e.op("Add", [scores, e.const("causal", bias)], dtype=f32)
@@ -255,7 +264,7 @@ def _emit(graph, node, q_heads, kv_heads, scale, mask, past_k, past_v, causal) -
     return None
 
 
-def _causal_bias(q, k, past_k, dtype):
+def _causal_bias(q, k, past_k, dtype, masked):
     """[S, L] additive: key j is visible to query i iff j <= i + past (bottom-right aligned)."""
     def length(t):
         return None if t is None or t.shape is None else (t.shape[-2] if len(t.shape) == 4 else t.shape[1])
@@ -266,5 +275,5 @@ def _causal_bias(q, k, past_k, dtype):
         return None
     total = cur + past
     allowed = np.arange(total)[None, :] <= np.arange(seq)[:, None] + past
-    return np.where(allowed, 0.0, NEG).astype(dtype)
+    return np.where(allowed, 0.0, masked).astype(dtype)
 

@@ -299,3 +299,24 @@ def test_passes_are_idempotent(exported, exporter):
     again = {p.name: p().run(graph, ctx) for p in (rope.Rope, rmsnorm.RMSNorm, swiglu.SwiGLU, attention.Attention,
                                                     mask.Mask, embedding.Embedding)}
     assert {name: (r.rewrites, r.misses) for name, r in again.items()} == {name: (0, []) for name in again}
+
+
+def test_group_query_attention_is_rewritten():
+    seq, past, heads, kv, head = 3, 4, 4, 2, 8
+    rng = np.random.default_rng(2)
+    node = oh.make_node("GroupQueryAttention", ["q", "k", "v", "pk", "pv", "seqlens_k", "total"], ["y", "present_k", "present_v"],
+                        domain="com.microsoft", num_heads=heads, kv_num_heads=kv)
+    shapes = {"q": [1, seq, heads * head], "k": [1, seq, kv * head], "v": [1, seq, kv * head],
+              "pk": [1, kv, past, head], "pv": [1, kv, past, head]}
+    inputs = [oh.make_tensor_value_info(n, TP.FLOAT, s) for n, s in shapes.items()]
+    inits = [nh.from_array(np.array([past + seq - 1], np.int32), "seqlens_k"), nh.from_array(np.array(past + seq, np.int32), "total")]
+    outputs = [oh.make_tensor_value_info(n, TP.FLOAT, None) for n in ("y", "present_k", "present_v")]
+    proto = oh.make_model(oh.make_graph([node], "gqa", inputs, outputs, inits),
+                          opset_imports=[oh.make_opsetid("", 17), oh.make_opsetid("com.microsoft", 1)])
+    before, graph = gs.import_onnx(proto), gs.import_onnx(proto)
+    assert attention.Attention().run(graph, _ctx()).rewrites == 1
+    assert "GroupQueryAttention" not in _ops(graph) and _ops(graph)["Tile"] == 2
+    feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    got, want = run(graph, feeds), run(before, feeds)
+    for name in ("y", "present_k", "present_v"):
+        np.testing.assert_allclose(got[name], want[name], atol=1e-5, rtol=0)
