@@ -4,7 +4,7 @@
     assess(graph, table, ...) -> Assessment     (coverage/partitions/unsupported of any graph)
 
 Nothing is written and no weight is read (only small constants that shape inference needs).
-`CheckReport.coverage_compiled` stays None until the pass manager fills it.
+`check` also runs the default pass pipeline in memory for the coverage after passes.
 """
 
 from __future__ import annotations

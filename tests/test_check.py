@@ -7,7 +7,7 @@ import json
 import pytest
 
 from mtkc import cli
-from mtkc.check import check
+from mtkc.check import check  # compiled=False: binding/verdict tests need no pipeline run
 
 EXPORTERS = ["legacy14", "legacy17", "dynamo", "hf"]
 FAMILIES = ["qwen2", "llama"]
@@ -63,24 +63,24 @@ def test_check_reports_per_op_reasons(capsys, exported, family, exporter):
 
 def test_dynamic_dims_flagged_until_bound(exported):
     model = exported("qwen2", "legacy17", cache=True)
-    unbound = check(model, "6.0")
+    unbound = check(model, "6.0", compiled=False)
     assert unbound.unbound == ["batch_size", "past_sequence_length", "sequence_length", "total_sequence_length"]
     dynamic = {n for g in unbound.assessment.groups if g.reason == "shape-dynamic" for n in g.nodes}
     assert "/m/model/layers.0/input_layernorm/Pow" in dynamic
-    half = check(model, "6.0", seq_len=8)  # cache length still open
+    half = check(model, "6.0", seq_len=8, compiled=False)  # cache length still open
     assert half.unbound == ["past_sequence_length", "total_sequence_length"]
     half_dynamic = {n for g in half.assessment.groups if g.reason == "shape-dynamic" for n in g.nodes}
     assert "/m/model/layers.0/input_layernorm/Pow" not in half_dynamic
     assert "/m/model/layers.0/self_attn/Softmax" in half_dynamic  # its length is cache + seq
-    bound = check(model, "6.0", seq_len=8, cache_len=16)
+    bound = check(model, "6.0", seq_len=8, cache_len=16, compiled=False)
     assert bound.unbound == [] and not [g for g in bound.assessment.groups if g.reason == "shape-dynamic"]
     assert bound.assessment.supported > half.assessment.supported > unbound.assessment.supported
 
 
 def test_input_shape_binds_named_inputs(capsys, exported):
     model = exported("llama", "legacy17", cache=False)
-    a = check(model, "8.0", input_shapes={"input_ids": (1, 5), "attention_mask": (1, 5)})
-    b = check(model, "8.0", seq_len=5)
+    a = check(model, "8.0", input_shapes={"input_ids": (1, 5), "attention_mask": (1, 5)}, compiled=False)
+    b = check(model, "8.0", seq_len=5, compiled=False)
     assert a.to_json()["unsupported"] == b.to_json()["unsupported"] and a.unbound == []
     code, _, err = mtkc(capsys, "check", model, "--sdk", "8.0", "--input-shape", "ids=1,5")
     assert code == 2 and "the model has no input 'ids'" in err
@@ -133,9 +133,9 @@ def test_ops_command(capsys):
 def test_cache_dims_of_dynamo_and_hf_exports_bind(exported, exporter):
     """dynamo names the mask length s53, HF gives every past tensor its own symbol: all bind."""
     model = exported("qwen2", exporter, cache=True)
-    open_cache = check(model, "8.0", seq_len=8)
+    open_cache = check(model, "8.0", seq_len=8, compiled=False)
     assert open_cache.unbound and any(g.reason == "shape-dynamic" for g in open_cache.assessment.groups)
-    bound = check(model, "8.0", seq_len=8, cache_len=16)
+    bound = check(model, "8.0", seq_len=8, cache_len=16, compiled=False)
     assert bound.unbound == [] and not [g for g in bound.assessment.groups if g.reason == "shape-dynamic"]
 
 
