@@ -83,8 +83,8 @@ _TYPED_FIELD = {  # data_type -> (typed field, values per element) when raw_data
 def validate_proto(proto: onnx.ModelProto, path: Path, root: Path) -> None:
     """Raise InputError on the first hostile or broken reference or structure in `proto`."""
     files: dict[str, tuple[str, int]] = {}  # location -> (real path, size), resolved once
-    for tensor, where in _tensors(proto):
-        _check_tensor(tensor, where, path, root, files)
+    for tensor, where, sparse in _tensors(proto):
+        _check_tensor(tensor, where, sparse, path, root, files)
     _check_graph(proto.graph, path, [], depth=0)
 
 
@@ -213,8 +213,10 @@ def external_fields(tensor: onnx.TensorProto) -> tuple[str, int, int | None]:
     return info.get("location", ""), numbers["offset"] or 0, numbers["length"]
 
 
-def _check_tensor(tensor: onnx.TensorProto, where: str, path: Path, root: Path, files: dict) -> None:
+def _check_tensor(tensor: onnx.TensorProto, where: str, sparse: bool, path: Path, root: Path, files: dict) -> None:
     try:
+        if sparse and tensor.data_location == onnx.TensorProto.EXTERNAL:
+            raise ExternalDataError("external data in sparse tensors is not supported")
         if any(d < 0 for d in tensor.dims):
             raise ExternalDataError(f"has a negative dimension {list(tensor.dims)}")
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
@@ -260,7 +262,7 @@ def _check_inline(tensor: onnx.TensorProto) -> None:
 
 
 def _tensors(proto: onnx.ModelProto):
-    """(TensorProto, description) for every tensor stored in the model, subgraphs included."""
+    """(TensorProto, description, is part of a sparse tensor) for every tensor stored in the model, subgraphs included."""
     yield from _graph_tensors(proto.graph)
     for func in proto.functions:
         yield from _node_tensors(func.node, f"function '{func.name}' ")
@@ -268,7 +270,7 @@ def _tensors(proto: onnx.ModelProto):
 
 def _graph_tensors(graph: onnx.GraphProto):
     for t in graph.initializer:
-        yield t, f"tensor '{t.name}'"
+        yield t, f"tensor '{t.name}'", False
     for s in graph.sparse_initializer:
         yield from _sparse_parts(s, f"sparse tensor '{s.values.name}'")
     yield from _node_tensors(graph.node, "")
@@ -281,7 +283,7 @@ def _node_tensors(nodes, prefix: str):
             where = f"{label} attribute '{attr.name}'"
             if attr.type in _TENSOR_ATTRS:
                 for t in [attr.t] if attr.type == onnx.AttributeProto.TENSOR else attr.tensors:
-                    yield t, f"{where} tensor '{t.name}'"
+                    yield t, f"{where} tensor '{t.name}'", False
             elif attr.type in _SPARSE_ATTRS:
                 for s in [attr.sparse_tensor] if attr.type == onnx.AttributeProto.SPARSE_TENSOR else attr.sparse_tensors:
                     yield from _sparse_parts(s, f"{where} sparse tensor '{s.values.name}'")
@@ -292,9 +294,7 @@ def _node_tensors(nodes, prefix: str):
 
 def _sparse_parts(sparse: onnx.SparseTensorProto, where: str):
     for part in (sparse.values, sparse.indices):
-        if part.data_location == onnx.TensorProto.EXTERNAL:
-            raise InputError(f"{where}: external data in sparse tensors is not supported")
-        yield part, where
+        yield part, where, True
 
 
 # ---------------------------------------------------------------------------- structure
