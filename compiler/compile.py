@@ -1,10 +1,11 @@
 """`compile_model`: load, run the pass pipeline, write the rewritten graph(s) and the manifest.
 
-    load ─► Context(table, options) ─► pipeline (pass manager) ─► variants ─► partitions ─► write
+    load ─► plan variants ─► per variant: fresh load ─► pipeline (pass manager) ─► partitions
+         ─► write every graph through one WeightWriter + host tables + manifest ─► hand-off
 
-Stages after the pipeline are hooks so later work plugs in without touching the rest:
-`_variants` turns the rewritten graph into the graphs to write (`model`; a KV-cache model
-gives `prefill`/`decode`), `_partitions` splits one graph into NPU/CPU pieces (none yet).
+`_variants` plans the graphs to write: `model`, or `prefill`/`decode` (per chunk) for a KV-cache
+decoder (`mtkc.passes.kv_cache.variants`); each variant is the pipeline run on a fresh load with
+its option overrides. `_partitions` splits one graph into NPU/CPU pieces.
 Output is staged in a sibling temp folder and renamed into place; an existing OUT is only
 replaced with `overwrite`. Same input + options -> byte-identical model, weights, manifest.
 """
@@ -44,6 +45,7 @@ class GraphVariant:
     graph: gs.Graph
     partitions: list[dict] = field(default_factory=list)
     split: Any = None  # mtkc.stitch.Split: placements and the partition graphs to write
+    compiled: Any = None  # Compiled: the pipeline run that produced `graph`
 
 
 @dataclass
@@ -91,10 +93,50 @@ def compile_graph(model: Model, sdk: str, options: dict[str, Any], table=None, o
     ctx = Context(table, options, model.root, model.values)
     registry = load_registry(options["plugins"])
     pipeline = resolve_pipeline(registry, ctx, options["passes"], options["skip_passes"])
-    raw = _raw_coverage(model.path, table, options)
     records = run_pipeline(model.graph, pipeline, ctx, verify_each=bool(options["verify_each"]), observe=observe)
     final = assessment(model.graph, ctx)
-    return Compiled(model, ctx, pipeline, records, {"raw": raw, "compiled": final and final.coverage})
+    return Compiled(model, ctx, pipeline, records, {"compiled": final and final.coverage})
+
+
+def compiled_coverage(model_path, table, options: dict[str, Any], watch: list[str]) -> tuple[float | None, dict[str, str]]:
+    """Coverage after the pipeline (run in memory), and for each node in `watch` the pass after
+    which it is gone (rewritten) or supported: {node name: pass name}."""
+    model = load(model_path)
+    pending = set(watch)
+    fixed: dict[str, str] = {}
+
+    def track(p, graph: gs.Graph) -> None:
+        nodes = {n.name: n for n in graph.nodes}
+        for name in sorted(pending):
+            node = nodes.get(name)
+            if node is None or table.verdict(node, graph.opset, model.values).supported:
+                fixed[name] = p.name
+                pending.discard(name)
+
+    compiled = compile_graph(model, table.version, {**options, "arch": table.arch}, table, observe=track)
+    return compiled.coverage["compiled"], fixed
+
+
+def assessment(graph: gs.Graph, ctx: Context):
+    """`mtkc.check.assess` of a graph (None when the table gives no verdicts, e.g. a stand-in)."""
+    from mtkc.capability import Table
+    from mtkc.check import assess
+
+    if not isinstance(ctx.table, Table):
+        return None
+    return assess(graph, ctx.table, graph.opset, ctx.read_values)
+
+
+def _raw_coverage(path: Path, table, options: dict[str, Any]) -> float | None:
+    """Coverage of the input as `mtkc check` computes it (shapes bound, no pass run)."""
+    from mtkc.capability import Table
+    from mtkc.check import check
+
+    if not isinstance(table, Table):
+        return None
+    shapes = {k: options[k] for k in ("seq_len", "cache_len", "batch")}
+    report = check(path, table.version, table.arch, input_shapes=options["input_shapes"] or None, compiled=False, **shapes)
+    return report.assessment.coverage
 
 
 def compiled_coverage(model_path, table, options: dict[str, Any], watch: list[str]) -> tuple[float | None, dict[str, str]]:
@@ -167,9 +209,56 @@ def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.Pat
     return CompileResult(out, data, report, compiled.records, variants)
 
 
-def _variants(graph: gs.Graph, ctx: Context) -> list[GraphVariant]:
-    """The graphs to write. Hook: a KV-cache model becomes prefill + decode here."""
-    return [GraphVariant("model", graph)]
+def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.PathLike, options: dict[str, Any] | None = None, table=None) -> CompileResult:
+    """Compile `model_path` for `sdk` into `out_dir` (see the module docstring)."""
+    from mtkc.generate import host_tables
+
+    options = normalise(options)
+    out = Path(out_dir)
+    model = load(model_path)
+    _check_out(out, model, bool(options["overwrite"]))
+    if table is None:
+        from mtkc.capability import load_table
+
+        table = load_table(sdk, options["arch"])
+    raw = _raw_coverage(model.path, table, options)
+    variants, tables = [], {}
+    for i, (name, overrides) in enumerate(_variants(model.graph, options)):
+        m = model if i == 0 else load(model_path)
+        compiled = compile_graph(m, sdk, {**options, **overrides}, table)
+        for record in compiled.records:
+            record.graph = name
+        variant = GraphVariant(name, m.graph, compiled=compiled)
+        variant.partitions = _partitions(variant, compiled.ctx)
+        variants.append(variant)
+        for key, value in host_tables(compiled.pipeline.passes, m.values).items():
+            tables.setdefault(key, value)
+    by_graph = {v.name: v.compiled.coverage["compiled"] for v in variants}
+    known = [c for c in by_graph.values() if c is not None]
+    data = manifest.build(
+        sdk=str(table.version),
+        arch=getattr(table, "arch", None) or options["arch"],
+        options={k: v for k, v in options.items() if k not in RUN_OPTIONS},
+        graphs=[manifest.graph_entry(v.name, f"{v.name}.onnx", v.graph, v.partitions) for v in variants],
+        coverage={"raw": raw, "compiled": min(known) if known else None, "graphs": by_graph},
+        passes=[r.stats() for v in variants for r in v.compiled.records],
+    )
+    report = _report(model, variants, data["coverage"])
+    _write(out, variants, data, report, tables, model.root, bool(options["overwrite"]))
+    from mtkc.deliver import finish  # hand-off to the converter, overlays, report.md
+
+    error = finish(out, data, report, {v.name: (v.graph, v.split) for v in variants}, model.path,
+                   getattr(table, "converter", None), options["converter_cmd"], options["no_convert"])
+    if error is not None:
+        raise error
+    return CompileResult(out, data, report, [r for v in variants for r in v.compiled.records], variants)
+
+
+def _variants(graph: gs.Graph, options: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The graphs to write as (name, option overrides): `model`, or prefill/decode for KV cache."""
+    from mtkc.passes.kv_cache import variants
+
+    return [(v.name, v.options) for v in variants(graph, options)]
 
 
 def _partitions(variant: GraphVariant, ctx: Context) -> list[dict]:
@@ -182,7 +271,7 @@ def _partitions(variant: GraphVariant, ctx: Context) -> list[dict]:
     return variant.split.entries
 
 
-def _report(model: Model, compiled: Compiled) -> dict[str, Any]:
+def _report(model: Model, variants: list[GraphVariant], coverage: dict[str, Any]) -> dict[str, Any]:
     """report.json: the manifest's facts plus what is only diagnostic (timings, misses, versions)."""
     import importlib.metadata as md
 
@@ -196,14 +285,14 @@ def _report(model: Model, compiled: Compiled) -> dict[str, Any]:
         "schema_version": manifest.SCHEMA_VERSION,
         "input": {"file": model.path.name, "sha256": _sha256(model.path)},
         "versions": versions,
-        "pipeline": compiled.pipeline.names,
-        "skipped": [{"name": n, "reason": r} for n, r in compiled.pipeline.skipped],
+        "pipeline": {v.name: v.compiled.pipeline.names for v in variants},
+        "skipped": [{"graph": v.name, "name": n, "reason": r} for v in variants for n, r in v.compiled.pipeline.skipped],
         "passes": [
             {**r.stats(), "origin": r.origin, "seconds": round(r.seconds, 3),
              "misses": [{"node": m.node, "reason": m.reason} for m in r.misses], "notes": r.notes}
-            for r in compiled.records
+            for v in variants for r in v.compiled.records
         ],
-        "coverage": compiled.coverage,
+        "coverage": coverage,
     }
 
 
@@ -244,8 +333,10 @@ def _external_files(model: Model) -> list[Path]:
     return sorted(files)
 
 
-def _write(out: Path, variants: list[GraphVariant], data: dict, report: dict, root: Path, overwrite: bool) -> None:
+def _write(out: Path, variants: list[GraphVariant], data: dict, report: dict, tables: dict, root: Path, overwrite: bool) -> None:
     """Stage every file in a sibling temp folder, then move it into place."""
+    from mtkc.generate import write_host_tables
+
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.mtkc-", dir=out.parent))
     try:
@@ -254,6 +345,8 @@ def _write(out: Path, variants: list[GraphVariant], data: dict, report: dict, ro
                 writer.export(variant.graph, root, stage / f"{variant.name}.onnx")
                 for piece in variant.split.pieces if variant.split else []:
                     writer.export(piece.graph, root, stage / piece.entry["path"])
+        if tables:
+            data["host"] = write_host_tables(stage, tables)
         _write_text(stage / "report.json", json.dumps(report, sort_keys=True, indent=2) + "\n")
         _write_text(stage / "manifest.json", manifest.dumps(data))
         if out.exists():

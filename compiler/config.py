@@ -2,7 +2,7 @@
 
 Looked up in the current directory unless `--config FILE` names one. Keys mirror the CLI
 options (`sdk`, `arch`, `passes`, `skip_passes`, `plugins`, `seq_len`, `cache_len`, `batch`,
-`input_shapes`, `verify_each`) and a `[pass_options]` table whose keys go to the passes as
+`input_shapes`, `verify_each`, `kv_cache`, `cache_io`, `chunks`) and a `[pass_options]` table whose keys go to the passes as
 they are (e.g. `kv_cache = true`); an option given on the command line replaces the config
 value (lists are replaced, not merged). Plugin files are relative to the config file.
 
@@ -34,6 +34,9 @@ KEYS: dict[str, str] = {
     "batch": "int",
     "input_shapes": "shapes",
     "verify_each": "bool",
+    "kv_cache": "bool",
+    "cache_io": "str",
+    "chunks": "int",
     "pass_options": "table",
 }
 
@@ -57,7 +60,7 @@ def merge(config: dict[str, Any], cli: dict[str, Any]) -> dict[str, Any]:
     """Config values overridden by every CLI value that was given (not None, not empty)."""
     merged = dict(config)
     for key, value in cli.items():
-        if value is not None and value != [] and value != {} and value is not False:
+        if value is not None and value != [] and value != {}:
             merged[key] = value
         else:
             merged.setdefault(key, value)
@@ -135,6 +138,9 @@ def from_args(args) -> dict[str, Any]:
         "passes": split_names(getattr(args, "passes", None)),
         "skip_passes": list(getattr(args, "skip_pass", None) or []),
         "plugins": list(getattr(args, "plugin", None) or []),
-        "verify_each": getattr(args, "verify_each", False),
+        "verify_each": getattr(args, "verify_each", None),
+        "kv_cache": getattr(args, "kv_cache", None),
+        "cache_io": getattr(args, "cache_io", None),
+        "chunks": getattr(args, "chunks", None),
     }
     return merge(load_config(getattr(args, "config", None)), cli)

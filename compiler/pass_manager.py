@@ -225,9 +225,11 @@ class PassRecord:
     seconds: float
     misses: list[Miss] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    graph: str = "model"  # the variant it ran on (prefill/decode/...)
 
     def stats(self) -> dict:
         return {
+            "graph": self.graph,
             "name": self.name,
             "rewrites": self.rewrites,
             "nodes_before": self.nodes_before,
@@ -321,18 +323,27 @@ def _one_line(exc: BaseException) -> str:
 class EachVerifier:
     """Compare the graph after each changing pass with the input model, on seeded inputs.
 
-    The reference runs lazily at the first check, with symbolic dims resolved from the graph
-    at that point (so inputs bound by `bind-shapes` have the bound sizes). Passes that change
-    the I/O contract map feeds and expected outputs through `Pass.map_feeds`/`map_outputs`.
+    The input model runs once, up front, on seeded inputs whose symbolic dims are bound the way
+    the pipeline binds them (the `bind-shapes` pass on a copy, with the compile options).
+    Passes that change the I/O contract map feeds and expected outputs through
+    `Pass.map_feeds` / `Pass.map_outputs`.
     """
 
     def __init__(self, graph: gs.Graph, ctx: Context, seed: int = 0, atol: float = ATOL, rtol: float = RTOL):
-        self.reference = gs.export_onnx(graph, do_type_check=False)
-        self.inputs = [(t.name, t.dtype, list(t.shape or [])) for t in graph.inputs]
-        self.ctx, self.seed, self.atol, self.rtol = ctx, seed, atol, rtol
+        from mtkc import execute
+
+        self.ctx, self.atol, self.rtol = ctx, atol, rtol
         self.pending: list[Pass] = []
-        self.feeds: dict[str, np.ndarray] | None = None
-        self.expected: dict[str, np.ndarray] | None = None
+        inputs = _bound_inputs(graph, ctx)
+        self.feeds = _positions_follow_cache(execute.seeded_inputs(gs.Graph(inputs=inputs), seed))
+        try:
+            self.expected = execute.run(gs.export_onnx(graph, do_type_check=False), self.feeds, ctx.root)
+        except Exception as exc:
+            shapes = ", ".join(f"{k}{list(v.shape)}" for k, v in self.feeds.items())
+            raise InputError(
+                f"--verify-each: the input model does not run on seeded inputs ({shapes}): {_one_line(exc)}; "
+                "bind its dims with --seq-len/--cache-len/--input-shape"
+            ) from None
 
     def after(self, p: Pass, graph: gs.Graph, changed: bool) -> None:
         from mtkc import execute
@@ -340,9 +351,6 @@ class EachVerifier:
         self.pending.append(p)
         if not changed:
             return
-        if self.feeds is None:
-            self.feeds = self._seeded(graph)
-            self.expected = execute.run(self.reference, self.feeds, self.ctx.root)
         for q in self.pending:
             self.feeds = guarded(q, "map_feeds", q.map_feeds, self.feeds, self.ctx)
             self.expected = guarded(q, "map_outputs", q.map_outputs, self.expected, self.ctx)
@@ -361,23 +369,16 @@ class EachVerifier:
             if problem:
                 raise MismatchError(f"--verify-each: pass '{p.name}' changed the numbers: output '{name}' {problem}")
 
-    def _seeded(self, graph: gs.Graph) -> dict[str, np.ndarray]:
-        """Seeded inputs for the input model; dims are taken from the graph now when bound there."""
-        from mtkc.execute import seeded_inputs
 
-        now = {t.name: t.shape for t in graph.inputs}
-        dims: dict[str, int] = {}
-        stand_ins = []
-        for name, dtype, shape in self.inputs:
-            bound = now.get(name)
-            if bound is not None and len(bound) == len(shape):
-                for d, b in zip(shape, bound):
-                    if not isinstance(d, int) and isinstance(b, (int, np.integer)):
-                        dims.setdefault(str(d), int(b))
-                shape = [int(b) if isinstance(b, (int, np.integer)) else d for d, b in zip(shape, bound)]
-            stand_ins.append(gs.Variable(name, dtype, shape))
-        feeds = seeded_inputs(gs.Graph(inputs=stand_ins), self.seed, dims)
-        return _positions_follow_cache(feeds)
+def _bound_inputs(graph: gs.Graph, ctx: Context) -> list[gs.Variable]:
+    """The graph inputs with dims bound as the `bind-shapes` pass binds them (on a copy)."""
+    copy = graph.copy()
+    bind = builtin_passes().get("bind-shapes")
+    if bind is not None:
+        instance = bind()
+        if guarded(instance, "applies", instance.applies, ctx):
+            guarded(instance, "run", instance.run, copy, ctx)
+    return [gs.Variable(t.name, t.dtype, list(t.shape or [])) for t in copy.inputs]
 
 
 def _positions_follow_cache(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -8,6 +8,7 @@ name passes before they land, and one list serves every SDK unless one needs ano
 from __future__ import annotations
 
 DEFAULT = [
+    "kv-cache",  # first: finds/inserts the cache while shapes are still computed by Shape ops
     "bind-shapes",
     "fold",
     "cleanup",
@@ -18,10 +19,11 @@ DEFAULT = [
     "attention",
     "mask",
     "embedding",
-    "kv-cache",
     "int64-to-int32",
     "rank4",
     "legalize",
+    "kv-cache-io",  # last: the present outputs the runtime keeps, then one layer chunk
+    "layer-chunks",
 ]
 
 # SDK version -> pipeline, for targets that need another order than DEFAULT.

@@ -56,7 +56,7 @@ def test_compile_writes_a_runnable_graph_equal_to_the_original(source, tmp_path)
                                {"name": "attention_mask", "dtype": "int64", "shape": [1, 8]}]
     assert graph["outputs"][0]["name"] == "logits" and graph["outputs"][0]["shape"][:2] == [1, 8]
     assert [p["name"] for p in manifest["passes"]] == STABLE
-    assert set(manifest["passes"][0]) == {"name", "rewrites", "nodes_before", "nodes_after"}
+    assert set(manifest["passes"][0]) == {"graph", "name", "rewrites", "nodes_before", "nodes_after"}
     assert 0 <= manifest["coverage"]["raw"] < manifest["coverage"]["compiled"] <= 1
     assert str(tmp_path) not in (out / "manifest.json").read_text()
 
@@ -176,3 +176,21 @@ def test_cli_default_pipeline_verified_each_pass(capsys, source, tmp_path):
     compiled = load(tmp_path / "out" / "model.onnx")
     outputs = execute.run(compiled.graph, execute.seeded_inputs(compiled.graph, 0), compiled.root)
     assert outputs["logits"].shape[:2] == (1, 8) and np.isfinite(outputs["logits"]).all()
+
+
+def test_kv_cache_model_gives_prefill_and_decode_sharing_weights(exported, tmp_path):
+    result = compile_model(exported("qwen2", "legacy17", cache=True), SDK, tmp_path / "out",
+                           {"seq_len": 8, "cache_len": 16, "verify_each": True})
+    graphs = {g["name"]: g for g in result.manifest["graphs"]}
+    assert list(graphs) == ["prefill", "decode"]
+    shapes = {name: {i["name"]: i["shape"] for i in g["inputs"]} for name, g in graphs.items()}
+    assert shapes["prefill"]["past_key_0"] == shapes["decode"]["past_key_0"] == [1, 2, 16, 16]
+    assert (shapes["prefill"]["position_ids"], shapes["decode"]["position_ids"]) == ([1, 8], [1, 1])
+    assert {p["graph"] for p in result.manifest["passes"]} == {"prefill", "decode"}
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.data")) == []  # one shared weights.bin
+    for name in graphs:
+        model = load(tmp_path / "out" / f"{name}.onnx")
+        feeds = execute.seeded_inputs(model.graph, 0)
+        feeds["position_ids"] = 16 + np.arange(feeds["position_ids"].size, dtype=np.int32).reshape(1, -1)
+        outputs = execute.run(model.graph, feeds, model.root)
+        assert np.isfinite(outputs["logits"]).all()

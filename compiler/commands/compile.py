@@ -24,7 +24,12 @@ def add_parser(sub) -> None:
     add_target(p, required=False)
     add_shapes(p)
     add_pipeline(p)
-    p.add_argument("--verify-each", action="store_true", help="run onnxruntime after every changing pass; name the first that changes the numbers")
+    kv = p.add_argument_group("KV cache (prefill/decode graphs)")
+    kv.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=None,
+                    help="write prefill + decode graphs over a static cache (default: when the model has cache inputs)")
+    kv.add_argument("--cache-io", choices=["new", "sliding"], help="present_* outputs: new entries [1,Hkv,T,D] (default) or the slid cache")
+    kv.add_argument("--chunks", type=int, metavar="N", help="split the decoder layers into N graphs per variant")
+    p.add_argument("--verify-each", action="store_true", default=None, help="run onnxruntime after every changing pass; name the first that changes the numbers")
     p.add_argument("--explain", metavar="PASS", help="print the sites PASS looked at and refused, with the reason")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     add_partitioning(p)
@@ -64,7 +69,8 @@ def explain(result, name: str) -> str:
         why = next((s["reason"] for s in result.report["skipped"] if s["name"] == name), "not in the pipeline")
         return f"{name}: did not run ({why})"
     lines = []
+    several = len(result.variants) > 1
     for r in records:
-        lines.append(f"{name}: {r.rewrites} rewrites, {len(r.misses)} misses")
+        lines.append(f"{name}{f' [{r.graph}]' if several else ''}: {r.rewrites} rewrites, {len(r.misses)} misses")
         lines += [f"  {m.node}: {m.reason}" for m in r.misses]
     return "\n".join(lines)
