@@ -95,6 +95,21 @@ def build_model(family: str = "qwen2", size: str = "tiny", seed: int = 0, layers
     return model.eval()
 
 
+def save_model(model, out_dir) -> Path:
+    """Save the torch model (config + safetensors) so a reference can be reloaded without rebuilding."""
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def load_model(model_dir, attn: str = "sdpa"):
+    """Reload a model written by `save_model`: fp32, eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn, dtype=torch.float32).eval()
+
+
 def reference_generate(model, prompt_ids, max_new_tokens: int = 32) -> list[int]:
     """Greedy tokens after `prompt_ids` (one sequence) from the torch model: the KV-cache reference."""
     import torch

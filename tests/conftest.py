@@ -33,28 +33,28 @@ def _export_root(config) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    """`tiny_model(family="qwen2")` -> the seeded random-weight torch model (built once per family)."""
+    """`tiny_model(family="qwen2", attn="sdpa")` -> the seeded random-weight torch model (built once each)."""
     from mtkc import factory
 
     models = {}
 
-    def get(family: str = "qwen2"):
-        if family not in models:
-            models[family] = factory.build_model(family, "tiny", seed=SEED)
-        return models[family]
+    def get(family: str = "qwen2", attn: str = "sdpa"):
+        if (family, attn) not in models:
+            models[family, attn] = factory.build_model(family, "tiny", seed=SEED, attn=attn)
+        return models[family, attn]
 
     return get
 
 
 @pytest.fixture(scope="session")
 def exported(request, tiny_model):
-    """`exported(family="qwen2", exporter="legacy17", cache=False)` -> Path to the tiny model.onnx."""
+    """`exported(family="qwen2", exporter="legacy17", cache=False, attn="sdpa")` -> Path to the tiny model.onnx."""
     from mtkc import factory
 
     root = _export_root(request.config)
 
-    def get(family: str = "qwen2", exporter: str = "legacy17", cache: bool = False) -> Path:
-        name = f"{family}-{exporter}-{'cache' if cache else 'nocache'}"
+    def get(family: str = "qwen2", exporter: str = "legacy17", cache: bool = False, attn: str = "sdpa") -> Path:
+        name = f"{family}-{exporter}-{'cache' if cache else 'nocache'}" + ("" if attn == "sdpa" else f"-{attn}")
         final = root / name
         if not (final / "model.onnx").exists():
             with open(root / f"{name}.lock", "w") as lock:
@@ -62,7 +62,7 @@ def exported(request, tiny_model):
                 if not (final / "model.onnx").exists():
                     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
                     try:
-                        factory.export(tiny_model(family), tmp, exporter, cache)
+                        factory.export(tiny_model(family, attn), tmp, exporter, cache)
                         tmp.rename(final)
                     finally:
                         shutil.rmtree(tmp, ignore_errors=True)

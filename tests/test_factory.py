@@ -109,3 +109,22 @@ def test_example_qwen_tiny_exports_and_checks(tmp_path, capsys):
     assert out.count("== mtkc check --sdk") == 2 and "NeuroPilot 6.0" in out and "NeuroPilot 9.0" in out
     inputs = [i.name for i in onnx.load(str(tmp_path / "export" / "model.onnx"), load_external_data=False).graph.input]
     assert inputs[2:4] == ["position_ids", "past_key_values.0.key"]
+
+
+def test_eager_attention_export(exported, tiny_model):
+    """attn="eager": one float mask at model level, no IsNaN guard; still matches torch."""
+    path = exported("llama", "legacy17", cache=True, attn="eager")
+    ops = collections.Counter(n.op for n in _graph(path).nodes)
+    assert ops["IsNaN"] == 0 and ops["Softmax"] == 2
+    model = tiny_model("llama", "eager")
+    feeds = [t.numpy() for t in factory.trace_inputs(model.config, True, batch=1, seq=1, past=9, seed=4)]
+    got = _run(path, feeds)
+    ref = factory.reference_logits(model, feeds[0], feeds[1], past=feeds[3:], position_ids=feeds[2])
+    np.testing.assert_allclose(got["logits"], ref[0], atol=1e-4, rtol=1e-4)
+
+
+def test_save_and_reload_reference(tmp_path, tiny_model):
+    model = tiny_model("qwen2")
+    again = factory.load_model(factory.save_model(model, tmp_path / "torch"))
+    prompt = [7, 3, 250, 11, 900]
+    assert factory.reference_generate(again, prompt, 8) == factory.reference_generate(model, prompt, 8)
