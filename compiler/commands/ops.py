@@ -40,8 +40,19 @@ def run(args) -> int:
                           "notes": list(table.notes), "entries": [e.to_dict() for e in entries],
                           "sources": {s: table.sources[s] for s in used}}, indent=2))
         return 0
-    out = [f"NeuroPilot {table.version} / {table.arch}: {len(entries)} entries"]
-    for e in entries:
+    out = [f"NeuroPilot {table.version} / {table.arch}: {len(entries)} entries",
+           "defaults    " + _constraints(table.defaults, {})]
+    out += [f"  note      {n}" for n in table.notes]
+    if not args.op:  # one line per entry: constraints beyond the defaults
+        rows = [("op", "status", "provenance", "sources", "constraints / remedy")]
+        for e in entries:
+            extra = _constraints(e.constraints, table.defaults) if e.supported else f"remedy: {_remedy(e)}"
+            rows.append((f"{e.domain}:{e.op_type}", "npu" if e.supported else "not-npu", e.provenance,
+                         ",".join(e.sources) or "-", extra))
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        out.append("")
+        out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4] for r in rows]
+    for e in entries if args.op else ():
         status = "npu" if e.supported else "not on NPU"
         out.append(f"\n{e.domain}:{e.op_type}  [{status}]  {e.provenance} ({', '.join(e.sources) or '-'})")
         if e.lowers_to:
@@ -51,9 +62,19 @@ def run(args) -> int:
         if e.note:
             out.append(f"  note          {e.note}")
         if e.remedy:
-            out.append(f"  remedy        {', '.join(e.remedy.passes)}{'; ' + e.remedy.hint if e.remedy.hint else ''}")
+            out.append(f"  remedy        {_remedy(e)}")
     if args.op:
         out.append("")
         out += [f"[{s}] {table.sources[s]}" for s in sorted({s for e in entries for s in e.sources})]
     sys.stdout.write("\n".join(out) + "\n")
     return 0
+
+
+def _constraints(constraints, defaults) -> str:
+    return " ".join(f"{k}={v}" for k, v in constraints.items() if defaults.get(k) != v) or "-"
+
+
+def _remedy(e: capability.Entry) -> str:
+    if not e.remedy:
+        return "CPU fallback"
+    return ", ".join(e.remedy.passes) + (f" ({e.remedy.hint})" if e.remedy.hint else "")
