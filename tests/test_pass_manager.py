@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 from mtkc import execute
 from mtkc.capability import load_table
 from mtkc.config import load_config, merge
-from mtkc.errors import InputError, MismatchError, PassError
+from mtkc.errors import InputError, MismatchError, MtkcError, PassError
 from mtkc.model import load
 from mtkc.pass_api import Context, Pass, PassResult
 from mtkc.pass_manager import Pipeline, builtin_passes, load_registry, resolve_pipeline, run_pipeline
@@ -321,17 +321,25 @@ def test_io_changing_pass_maps_feeds(small, table):
 # --- idempotency: every built-in pass, run twice in the default pipeline, rewrites 0 the second time
 
 
-@pytest.fixture(scope="module")
-def doubled(exported, table):
-    """The default pipeline on the tiny Qwen2 export, every pass run twice in a row:
+DOUBLED = {
+    "nocache": (False, {"seq_len": 8}),
+    "kv": (True, {"seq_len": 8, "cache_len": 16, "kv_cache": True, "chunks": 2, "chunk": 1}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(DOUBLED))
+def doubled(request, exported, table):
+    """The default pipeline on a tiny Qwen2 export, every pass run twice in a row:
     {name: (first record, second record) or the PassError that stopped the pipeline there}."""
-    model = load(exported("qwen2", "legacy17"))
-    ctx = Context(table, {"seq_len": 8}, model.root, model.values)
+    cache, options = DOUBLED[request.param]
+    model = load(exported("qwen2", "legacy17", cache=cache))
+    ctx = Context(table, options, model.root, model.values)
     results = {}
     for first in resolve_pipeline(load_registry(), ctx).passes:
+        again = [type(first)()] if first.idempotent else []
         try:
-            results[first.name] = tuple(run_pipeline(model.graph, Pipeline([first, type(first)()], []), ctx))
-        except PassError as exc:
+            results[first.name] = tuple(run_pipeline(model.graph, Pipeline([first, *again], []), ctx))
+        except MtkcError as exc:
             results[first.name] = exc
             break
     return results
@@ -340,8 +348,8 @@ def doubled(exported, table):
 @pytest.mark.parametrize("name", sorted(builtin_passes()))
 def test_builtin_pass_is_idempotent(doubled, name):
     if name not in doubled:
-        pytest.skip(f"'{name}' did not run on the tiny export (not in its pipeline, or an earlier pass failed)")
-    if isinstance(doubled[name], PassError):
+        pytest.skip(f"'{name}' did not run on this export (not in its pipeline, or an earlier pass failed)")
+    if isinstance(doubled[name], MtkcError):
         pytest.fail(str(doubled[name]))
     if not builtin_passes()[name].idempotent:
         pytest.skip(f"'{name}' declares idempotent = False")
