@@ -55,6 +55,14 @@ def values_of(tensor: gs.Tensor, read: Callable[[gs.Constant], Any] | None = Non
     return np.asarray(read(const) if read is not None else const.values)
 
 
+def small_values(tensor: gs.Tensor, limit: int = MAX_CHECK_ELEMENTS) -> np.ndarray | None:
+    """Values of a constant of at most `limit` elements (a scalar, axes, a scale), else None."""
+    const = constant_of(tensor)
+    if const is None or int(np.prod(const.shape or ())) > limit:
+        return None
+    return np.asarray(const.values)
+
+
 def producer(tensor: gs.Tensor) -> gs.Node | None:
     return tensor.inputs[0] if isinstance(tensor, gs.Variable) and len(tensor.inputs) == 1 else None
 

@@ -29,7 +29,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.pass_api import Context, Miss, Pass, PassResult, register
-from mtkc.pattern import Const, Emit, Op, Or, Var, near, replace_uses, values_of
+from mtkc.pattern import Const, Emit, Op, Or, Var, near, replace_uses, small_values
 
 MS = "com.microsoft"
 MASKED = -100.0  # finite (fp16/int16-safe) additive value for masked keys; option `mask_value`
@@ -141,13 +141,13 @@ def drop_row_guards(graph: gs.Graph) -> int:
         if node.op != "Where" or len(node.inputs) != 3 or not node.outputs:
             continue
         cond, zero, data = node.inputs
-        zv = values_of(zero)
+        zv = small_values(zero)
         if zv is None or zv.size != 1 or float(zv.reshape(-1)[0]) != 0.0 or not cond.inputs:
             continue
         test = cond.inputs[0]
         nan_guard = test.op == "IsNaN" and test.inputs[0] is data
         empty_row = test.op == "Less" and test.inputs[0].inputs and test.inputs[0].inputs[0].op == "ReduceSum" \
-            and (v := values_of(test.inputs[1])) is not None and v.size == 1 and float(v.reshape(-1)[0]) == 1.0
+            and (v := small_values(test.inputs[1])) is not None and v.size == 1 and float(v.reshape(-1)[0]) == 1.0
         if nan_guard or empty_row:
             out = node.outputs[0]
             if out in graph.outputs:

@@ -24,7 +24,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.pass_api import Context, Miss, Pass, PassResult, register
-from mtkc.pattern import Emit, replace_uses, values_of
+from mtkc.pattern import Emit, replace_uses, small_values
 from mtkc.passes.attention import drop_row_guards
 
 NAME = "attention_mask"
@@ -141,7 +141,7 @@ def _drop_guards(graph: gs.Graph, derived: set[int]) -> int:
         if node.op != "Where" or not node.outputs or node.outputs[0] in graph.outputs:
             continue
         cond, zero, data = node.inputs
-        z = values_of(zero)
+        z = small_values(zero)
         if id(cond) in derived and id(data) not in derived and z is not None and z.size == 1 and not z.any():
             replace_uses(graph, node.outputs[0], data)
             node.outputs.clear()

@@ -28,16 +28,11 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.pass_api import Context, Miss, Pass, PassResult, register
-from mtkc.pattern import Const, Emit, Match, Op, Opt, Or, Var, constant_of, near, replace_uses, values_of
+from mtkc.pattern import Const, Emit, Match, Op, Opt, Or, Var, constant_of, near, replace_uses, small_values, values_of
 
 MS = "com.microsoft"
 FUSED = {("", "RMSNormalization"), ("", "SimplifiedLayerNormalization"), (MS, "SimplifiedLayerNormalization"),
          (MS, "SkipSimplifiedLayerNormalization")}
-
-
-def _last_axis_attr(axes) -> bool:
-    """axes == [-1]"""
-    return axes is not None and list(np.atleast_1d(axes)) == [-1]
 
 
 def _scalar(values) -> str | None:
@@ -59,20 +54,16 @@ def _same_float_cast(node: gs.Node) -> str | None:
 
 
 def _reduce_last(node: gs.Node) -> str | None:
+    """ReduceMean over the last axis only, keeping it."""
     if node.attrs.get("keepdims", 1) != 1:
         return "ReduceMean keepdims=0"
-    if len(node.inputs) > 1:
-        axes = values_of(node.inputs[1])
-        if axes is None:
-            return "ReduceMean axes input is not a constant"
-        return None if list(axes.reshape(-1)) == [-1] or _is_last(node, axes) else f"ReduceMean axes {axes.tolist()}"
-    axes = node.attrs.get("axes")
-    return None if _last_axis_attr(axes) or (axes is not None and _is_last(node, np.array(axes))) else f"ReduceMean axes {axes}"
-
-
-def _is_last(node: gs.Node, axes) -> bool:
+    axes = small_values(node.inputs[1]) if len(node.inputs) > 1 else node.attrs.get("axes")
+    if axes is None:
+        return "ReduceMean axes are not a constant"
+    axes = [int(a) for a in np.reshape(axes, -1)]
     shape = node.inputs[0].shape
-    return shape is not None and list(np.reshape(axes, -1)) == [len(shape) - 1]
+    last = [-1] if shape is None else [-1, len(shape) - 1]
+    return None if len(axes) == 1 and axes[0] in last else f"ReduceMean axes {axes}"
 
 
 def _pattern() -> Op:

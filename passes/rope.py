@@ -33,7 +33,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.pass_api import Context, Miss, Pass, PassResult, register
-from mtkc.pattern import Const, Emit, Op, Or, Var, near, replace_uses, values_of
+from mtkc.pattern import Const, Emit, Op, Or, Var, constant_of, near, replace_uses, small_values, values_of
 
 MS = "com.microsoft"
 POS_EMB = "pos_emb"
@@ -71,14 +71,14 @@ def find(graph: gs.Graph, ctx: Context | None = None):
 
 def _minus_one_operand(node: gs.Node) -> bool:
     """Mul(x, -1.0) in floating point (an integer -1 is shape arithmetic)."""
-    v = values_of(node.inputs[1]) if len(node.inputs) == 2 else None
+    v = small_values(node.inputs[1]) if len(node.inputs) == 2 else None
     return v is not None and v.size == 1 and v.dtype.kind == "f" and float(v.reshape(-1)[0]) == -1.0
 
 
 def _halves(m) -> str | None:
     """The two slices split the last axis at one point (checked when their bounds are constants)."""
     lo, hi = m["lo"], m["hi"]
-    bounds = [values_of(t) for t in (lo.inputs[1], lo.inputs[2], hi.inputs[1])]
+    bounds = [small_values(t) for t in (lo.inputs[1], lo.inputs[2], hi.inputs[1])]
     if any(b is None for b in bounds):
         return None  # runtime bounds (TorchScript before folding): structure alone decides
     lo_start, lo_end, hi_start = (int(b.reshape(-1)[0]) for b in bounds)
@@ -270,7 +270,7 @@ def _position_source(node: gs.Node) -> gs.Tensor | str:
     while stack:
         n = stack.pop()
         for t in n.inputs:
-            if id(t) in seen or values_of(t) is not None:
+            if id(t) in seen or constant_of(t) is not None:
                 continue
             seen.add(id(t))
             producer = t.inputs[0] if t.inputs else None
@@ -290,8 +290,8 @@ def _hoisted(node: gs.Node) -> gs.Tensor:
     while len(out.outputs) == 1:
         nxt = out.outputs[0]
         if nxt.op == "Cast" or (nxt.op in ("Mul", "Div") and nxt.inputs[0] is out
-                                and values_of(nxt.inputs[1]) is not None) or \
-                (nxt.op == "Mul" and values_of(nxt.inputs[0]) is not None):
+                                and constant_of(nxt.inputs[1]) is not None) or \
+                (nxt.op == "Mul" and constant_of(nxt.inputs[0]) is not None):
             out = nxt.outputs[0]
         else:
             break
@@ -390,8 +390,9 @@ def _decompose(graph: gs.Graph, node: gs.Node) -> str | None:
     xin = e.op("Reshape", [x, c("heads", 0, 0, heads, head)], dtype=f32) if rank == 3 else x
     halves, axis = [], 2 if rank == 3 else 1
     for kind, cache in (("cos", cos), ("sin", sin)):
-        table, index = values_of(cache), (values_of(pos) if pos is not None else np.array(0))
-        if table is not None and index is not None:  # folded positions: the rows are constants
+        index = small_values(pos) if pos is not None else np.array(0)
+        table = values_of(cache) if index is not None else None
+        if table is not None:  # folded positions: the rows are constants
             rows = table[index] if pos is not None else table
             halves.append(e.const(kind, np.expand_dims(np.concatenate([rows, rows], -1), axis)))
             continue
