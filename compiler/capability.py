@@ -487,7 +487,8 @@ class Table:
         return None
 
     def _evaluate(self, node: gs.Node, opset, read_values) -> tuple[str, str, str | None] | None:
-        """None when supported, else (reason, detail, qualifier): the first failing check."""
+        """None when supported, else (reason, detail, qualifier): the first failing check. The
+        qualifier (offending dtype or attribute) picks a `<reason>:<qualifier>` remedy."""
         domain = node.domain or DEFAULT_DOMAIN
         if domain not in self.domains:
             return "unknown-domain", f"domain '{domain}' is not in the NeuroPilot {self.version} table", None
@@ -629,11 +630,11 @@ def _attributes(node, c, opset, read_values):
         present = name in node.attrs
         if not allowed:
             if present:
-                return "attribute-unsupported", f"attribute {name} is not supported", None
+                return "attribute-unsupported", f"attribute {name} is not supported", name
             continue
         value = node.attrs[name] if present else _schema_default(node, name, opset)
         if value is not None and value not in allowed:
-            return "attribute-unsupported", f"attribute {name}={value!r} not in {allowed}", None
+            return "attribute-unsupported", f"attribute {name}={value!r} not in {allowed}", name
     return None
 
 
@@ -652,17 +653,17 @@ def _last_axis(node, c, opset, read_values):
         try:
             axes = (read_values or (lambda k: k.values))(const)
         except Exception:  # unreadable external data: say so rather than guess
-            return "attribute-unsupported", f"axes input '{node.inputs[1].name}' could not be read", None
+            return "attribute-unsupported", f"axes input '{node.inputs[1].name}' could not be read", name
     else:
         axes = _schema_default(node, name, opset)
     axes = None if axes is None else [int(a) for a in np.atleast_1d(np.asarray(axes))]
     if not axes:
         if rank == 1:
             return None
-        return "attribute-unsupported", f"{name} unset: reduces over all axes, only the last axis is supported", None
+        return "attribute-unsupported", f"{name} unset: reduces over all axes, only the last axis is supported", name
     last = [-1] if rank is None else [-1, rank - 1]
     if len(axes) != 1 or axes[0] not in last:
-        return "attribute-unsupported", f"{name}={axes} is not the last axis (rank {rank})", None
+        return "attribute-unsupported", f"{name}={axes} is not the last axis (rank {rank})", name
     return None
 
 
