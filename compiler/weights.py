@@ -55,7 +55,7 @@ class WeightWriter:
         self.align = align
         self.threshold = threshold
         self._tmp: Path | None = None
-        self._file = None
+        self._fd: int | None = None
         self._end = 0
         self._by_source: dict[tuple, int] = {}  # (dev, ino, offset, length) -> offset
         self._by_digest: dict[tuple, int] = {}  # (sha256, length) -> offset
@@ -100,19 +100,18 @@ class WeightWriter:
 
     def close(self) -> None:
         """Flush, fsync and move the weights file into place (nothing is created if empty)."""
-        if self._file is None:
+        if self._fd is None:
             return
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        self._file = None
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = None
         os.replace(self._tmp, self.path)
 
     def abort(self) -> None:
         """Drop the partial weights file."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
             self._tmp.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ one constant
@@ -148,7 +147,10 @@ class WeightWriter:
             return None
         key = (hashlib.sha256(data).digest(), data.nbytes)
         if key not in self._by_digest:
-            self._by_digest[key] = self._append([data])
+            start = self._aligned_end()
+            _write_all(self._fd, data)
+            self._by_digest[key] = start
+            self._end = start + data.nbytes
         return _reference(name, data_type, dims, self.filename, self._by_digest[key], data.nbytes)
 
     def _from_source_file(self, proto: onnx.TensorProto, root: Path) -> onnx.TensorProto:
@@ -168,8 +170,10 @@ class WeightWriter:
             key = (*source, offset, nbytes)
             if key not in self._by_source:
                 with open_external(root, location) as f:
-                    f.seek(offset)
-                    self._by_source[key] = self._append(_chunks(f, nbytes))
+                    start = self._aligned_end()
+                    _copy_range(f.fileno(), self._fd, offset, nbytes)
+                self._by_source[key] = start
+                self._end = start + nbytes
         except (ExternalDataError, OSError) as exc:
             raise InputError(f"{root / location}: tensor '{proto.name}': {exc}") from None
         return _reference(proto.name, proto.data_type, list(proto.dims), self.filename, self._by_source[key], nbytes)
@@ -184,20 +188,14 @@ class WeightWriter:
             self._source_ids[key] = ident
         return self._source_ids[key]
 
-    def _append(self, pieces) -> int:
-        """Write pieces at the next aligned offset; returns that offset."""
-        if self._file is None:
+    def _aligned_end(self) -> int:
+        """Pad the file to the next aligned offset (opening it first); returns that offset."""
+        if self._fd is None:
             self._open()
         pad = -self._end % self.align
-        if pad:
-            self._file.write(b"\0" * pad)
-        start = self._end + pad
-        written = 0
-        for piece in pieces:
-            self._file.write(piece)
-            written += len(piece) if isinstance(piece, bytes) else piece.nbytes
-        self._end = start + written
-        return start
+        _write_all(self._fd, b"\0" * pad)
+        self._end += pad
+        return self._end
 
     def _open(self) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -205,7 +203,7 @@ class WeightWriter:
             raise InputError(f"{self.path}: refusing to write weights through a symlink")
         self._tmp = self.out_dir / f".{self.filename}.tmp-{os.getpid()}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-        self._file = os.fdopen(os.open(self._tmp, flags, 0o644), "wb")
+        self._fd = os.open(self._tmp, flags, 0o644)
 
 
 def save(graph: gs.Graph, root: str | os.PathLike, path: str | os.PathLike, opset: int | None = None) -> onnx.ModelProto:
@@ -229,14 +227,31 @@ def _bytes_of(array: np.ndarray) -> memoryview:
     return memoryview(flat.view(np.uint8))
 
 
-def _chunks(f, nbytes: int):
-    remaining = nbytes
-    while remaining:
-        block = f.read(min(CHUNK, remaining))
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _copy_range(src: int, dst: int, offset: int, nbytes: int) -> None:
+    """Append `nbytes` of `src` from `offset` to `dst`: in-kernel when possible, else in chunks."""
+    done = 0
+    if hasattr(os, "copy_file_range"):
+        try:
+            while done < nbytes:
+                n = os.copy_file_range(src, dst, min(CHUNK, nbytes - done), offset + done)
+                if n == 0:
+                    raise ExternalDataError("external data is truncated")
+                done += n
+            return
+        except OSError:  # EXDEV, ENOSYS, EINVAL on some file systems: copy by hand
+            pass
+    while done < nbytes:
+        block = os.pread(src, min(CHUNK, nbytes - done), offset + done)
         if not block:
             raise ExternalDataError("external data is truncated")
-        remaining -= len(block)
-        yield block
+        _write_all(dst, block)
+        done += len(block)
 
 
 def _file_id(path: Path) -> tuple[int, int] | None:
