@@ -32,8 +32,8 @@ FUSED = {"RMSNormalization", "RotaryEmbedding", "Attention", "MultiHeadAttention
          "SkipSimplifiedLayerNormalization"}
 FORBIDDEN = {"Sin", "Cos", "Range", "Where", "IsNaN", "Neg", "GatherND"} | FUSED
 EXPORTS = [("qwen2", e, cache) for e in ("legacy14", "legacy17", "dynamo", "hf", "hf-ortfused") for cache in (False, True)] \
-    + [("qwen2", "dynamo-ortfused", False), ("qwen2", "ortopt", False)] \
-    + [("llama", "legacy17", True), ("llama", "dynamo", False), ("llama", "hf", True)]
+    + [("qwen2", "dynamo-ortfused", False), ("qwen2", "dynamo-ortfused", True), ("qwen2", "ortopt", False)] \
+    + [("llama", "legacy17", True), ("llama", "dynamo", False), ("llama", "hf", True), ("llama", "hf-ortfused", True)]
 # ortopt's 0-d Slice axes trip int64-to-int32 (np.clip of a 0-d array is a scalar): reported to its owner
 PIPELINE_EXPORTS = [e for e in EXPORTS if e[1] != "ortopt"]
 
