@@ -100,9 +100,9 @@ def read_values(tensor: gs.Constant, root: Path) -> np.ndarray:
 
 def constants(graph: gs.Graph):
     """Every distinct Constant reachable from `graph`: initializers, node tensor attributes,
-    and the same inside subgraphs, in a deterministic (node) order."""
+    and the same inside subgraphs and local functions, in a deterministic order."""
     seen: set[int] = set()
-    stack = [graph]
+    stack = [graph, *reversed(graph.functions)]
     while stack:
         g = stack.pop()
         tensors = list(g.tensors().values())

@@ -228,3 +228,23 @@ def test_tiny_qwen2_exports_round_trip(exporter, exported, tmp_path):
     assert before.keys() == after.keys()
     for name, value in before.items():
         np.testing.assert_array_equal(after[name], value)
+
+
+def test_external_constant_inside_a_local_function_is_rewritten(tmp_path):
+    folder = tmp_path / "src"
+    folder.mkdir()
+    (folder / "w.data").write_bytes(W.tobytes())
+    inner = oh.make_node("Constant", [], ["w"], name="fconst", value=_external("", W, "w.data", 0))
+    func = oh.make_function("local", "F", ["x"], ["y"], [inner, oh.make_node("MatMul", ["x", "w"], ["y"])],
+                            [oh.make_opsetid("", 17)])
+    graph = oh.make_graph([oh.make_node("F", ["X"], ["Y"], name="call", domain="local")], "g",
+                          [oh.make_tensor_value_info("X", 1, [2, 64])], [oh.make_tensor_value_info("Y", 1, [2, 32])])
+    proto = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17), oh.make_opsetid("local", 1)], functions=[func])
+    proto.ir_version = 8
+    (folder / "model.onnx").write_bytes(proto.SerializeToString())
+    model = mmodel.load(folder / "model.onnx")
+    saved = weights.save(model.graph, model.root, tmp_path / "out" / "model.onnx")
+    attr = saved.functions[0].node[0].attribute[0].t
+    assert mmodel.external_info(attr) == {"location": "model.onnx.data", "offset": "0", "length": "8192"}
+    got = execute.run(saved, {"X": X}, root=tmp_path / "out")["Y"]
+    np.testing.assert_allclose(got, X @ W, rtol=1e-5, atol=1e-5)
