@@ -16,7 +16,7 @@ source (file identity, offset, length) and copied once, streamed in chunks; an i
 Output is deterministic: same graphs in the same order -> byte-identical files.
 
 Safety: the weights file is written to a temporary name in `out_dir` and moved into place by
-`close()` (removed on error); a target that is a symlink, or that is one of the source files
+`close()`; on an error inside `with WeightWriter(...)` it and every graph file written are removed; a target that is a symlink, or that is one of the source files
 being read, is refused (writing it would corrupt the input model). Graph files are written
 to a temporary name and renamed. All graph files must live directly in `out_dir`, so the
 location is a bare file name that onnxruntime, onnx and `mtkc.model.load` resolve alike.
@@ -56,6 +56,8 @@ class WeightWriter:
         self.threshold = threshold
         self._tmp: Path | None = None
         self._fd: int | None = None
+        self._closed = False
+        self._graphs: list[Path] = []  # written so far; removed again by abort()
         self._end = 0
         self._by_source: dict[tuple, int] = {}  # (dev, ino, offset, length) -> offset
         self._by_digest: dict[tuple, int] = {}  # (sha256, length) -> offset
@@ -77,8 +79,11 @@ class WeightWriter:
         `root` is the folder the graph's lazy external constants are relative to (Model.root).
         """
         path = Path(path)
+        if self._closed:
+            raise ValueError(f"{self.path}: WeightWriter is closed")
         if path.parent.resolve() != self.out_dir.resolve():
             raise ValueError(f"{path}: graph files must be written directly into {self.out_dir}")
+        self.out_dir.mkdir(parents=True, exist_ok=True)
         root = Path(root)
         swapped = []
         try:
@@ -96,10 +101,12 @@ class WeightWriter:
                 if entry.domain in ("", "ai.onnx"):
                     entry.version = opset
         _write_atomic(path, proto.SerializeToString(deterministic=True))
+        self._graphs.append(path)
         return proto
 
     def close(self) -> None:
-        """Flush, fsync and move the weights file into place (nothing is created if empty)."""
+        """Fsync and move the weights file into place (nothing is created if empty)."""
+        self._closed = True
         if self._fd is None:
             return
         os.fsync(self._fd)
@@ -108,7 +115,10 @@ class WeightWriter:
         os.replace(self._tmp, self.path)
 
     def abort(self) -> None:
-        """Drop the partial weights file."""
+        """Drop the partial weights file and the graph files written so far."""
+        self._closed = True
+        for path in self._graphs:
+            path.unlink(missing_ok=True)
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -198,7 +208,6 @@ class WeightWriter:
         return self._end
 
     def _open(self) -> None:
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         if self.path.is_symlink():
             raise InputError(f"{self.path}: refusing to write weights through a symlink")
         self._tmp = self.out_dir / f".{self.filename}.tmp-{os.getpid()}"

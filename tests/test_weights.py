@@ -76,8 +76,11 @@ def test_round_trip_numerics_in_onnxruntime_and_mtkc(source, tmp_path):
     graph = _with_folded_constant(source, c, "C")
     out = tmp_path / "out"
     with weights.WeightWriter(out) as writer:
-        proto = writer.export(graph, source.root, out / "model.onnx")
+        proto = writer.export(graph, source.root, out / "model.onnx", opset=18)
     assert sorted(os.listdir(out)) == ["model.onnx", "weights.bin"]
+    assert [(o.domain, o.version) for o in proto.opset_import] == [("", 18)]
+    with pytest.raises(ValueError, match="closed"):
+        writer.export(graph, source.root, out / "again.onnx")
     y, y2 = _expected(c)
     via_mtkc = execute.run(proto, {"X": X}, root=out)
     via_disk = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"]).run(None, {"X": X})
@@ -185,6 +188,15 @@ def test_refuses_to_overwrite_the_input_weights(source, tmp_path):
             writer.export(source.graph, source.root, source.root / "copy.onnx")
     assert (source.root / "model.onnx_data").read_bytes() == before
     assert sorted(os.listdir(source.root)) == ["model.onnx", "model.onnx_data"]  # no temp file left
+
+
+def test_error_inside_the_writer_leaves_nothing(source, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError):
+        with weights.WeightWriter(out) as writer:
+            writer.export(source.graph, source.root, out / "prefill.onnx")
+            raise RuntimeError("a later pass failed")
+    assert os.listdir(out) == []
 
 
 def test_refuses_to_write_through_a_symlink(source, tmp_path):
