@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -39,7 +40,8 @@ def cli(capsys, *args, cwd: Path | None = None, monkeypatch=None) -> tuple[int, 
 
 
 def files(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+    """Every file under `folder` by relative path."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def test_compile_writes_a_runnable_graph_equal_to_the_original(source, tmp_path):
@@ -155,15 +157,16 @@ def test_cli_config_file_and_override(capsys, monkeypatch, source, tmp_path):
     assert code == 2 and "mtkc.toml: unknown key 'sequence'" in err and not (tmp_path / "out3").exists()
 
 
-def test_cli_explain_and_verbose_stats(capsys, run_cli, source, tmp_path):
-    code, out, err = run_cli("compile", source, "--sdk", SDK, "--seq-len", "8", "--passes", "bind-shapes,fold,rmsnorm",
-                             "--explain", "rmsnorm", "-v", "-o", tmp_path / "out")
+def test_cli_explain_and_verbose_stats(capsys, caplog, source, tmp_path):
+    caplog.set_level(logging.DEBUG, logger="mtkc.passes")  # what -v shows on stderr
+    code, out, err = cli(capsys, "compile", source, "--sdk", SDK, "--seq-len", "8", "--passes", "bind-shapes,fold,rmsnorm",
+                         "--explain", "rmsnorm", "-v", "-o", tmp_path / "out")
     assert code == 0, err
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     rms = next(p for p in report["passes"] if p["name"] == "rmsnorm")
     assert out.splitlines()[0] == f"rmsnorm: {rms['rewrites']} rewrites, {len(rms['misses'])} misses"
     assert len(out.splitlines()) == 1 + len(rms["misses"])
-    stats = [line for line in err.splitlines() if " rewrites  nodes " in line]
+    stats = [r.getMessage() for r in caplog.records if " rewrites  nodes " in r.getMessage()]
     assert [line.split()[0] for line in stats] == ["bind-shapes", "fold", "rmsnorm"]
     code, _, err = cli(capsys, "compile", source, "--sdk", SDK, "--explain", "nope", "-o", tmp_path / "x")
     assert code == 2 and "unknown pass 'nope'" in err and not (tmp_path / "x").exists()
@@ -194,3 +197,19 @@ def test_kv_cache_model_gives_prefill_and_decode_sharing_weights(exported, tmp_p
         feeds["position_ids"] = 16 + np.arange(feeds["position_ids"].size, dtype=np.int32).reshape(1, -1)
         outputs = execute.run(model.graph, feeds, model.root)
         assert np.isfinite(outputs["logits"]).all()
+
+
+@pytest.mark.slow
+def test_output_does_not_depend_on_hash_seed_or_folder_name(source, tmp_path):
+    """Two fresh processes (PYTHONHASHSEED 0 / 12345, different OUT names): same bytes."""
+    import os
+    import subprocess
+    import sys
+
+    for seed, name in (("0", "first"), ("12345", "second")):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        subprocess.run([sys.executable, "-m", "mtkc", "compile", str(source), "--sdk", SDK, "--seq-len", "8",
+                        "-o", str(tmp_path / name)], check=True, env=env, capture_output=True, timeout=300)
+    a, b = files(tmp_path / "first"), files(tmp_path / "second")
+    a.pop("report.json"), b.pop("report.json")  # holds per-pass seconds
+    assert sorted(a) == sorted(b) and [k for k in a if a[k] != b[k]] == []
