@@ -8,6 +8,8 @@ fixed vocabulary of constraint kinds, each an executable predicate:
     max_rank        rank of every input and output                    rank-unsupported
     dtypes          allowed dtypes of every input and output        dtype-unsupported
     input_dtypes    {"<index>": [...]}: overrides `dtypes` for one input
+    const_dtypes    also accepted on constant inputs (int64 shapes/axes: the converter casts
+                    them to int32, so their values must fit; read only when <= 1024 elements)
     static_shapes   every input/output dim is a known integer         shape-dynamic
     const_inputs    these input indices must be constants             input-not-constant
     attributes      {name: [allowed values]}; [] = must be absent     attribute-unsupported
@@ -62,9 +64,10 @@ DTYPES = (
     "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
     "uint64", "uint32", "uint16", "uint8", "bool", "string",
 )
-CONSTRAINTS = ("dtypes", "input_dtypes", "max_rank", "static_shapes", "attributes", "last_axis",
-               "const_inputs", "broadcast", "host")
-DEFAULT_CONSTRAINTS = ("dtypes", "max_rank", "static_shapes")
+CONSTRAINTS = ("dtypes", "input_dtypes", "const_dtypes", "max_rank", "static_shapes", "attributes",
+               "last_axis", "const_inputs", "broadcast", "host")
+DEFAULT_CONSTRAINTS = ("dtypes", "const_dtypes", "max_rank", "static_shapes")
+CAST_LIMIT = 1024  # elements of a constant whose values are read to check they fit int32
 ENTRY_META = ("supported", "lowers_to", "provenance", "sources", "note", "remedy")
 DEFAULT_DOMAIN = "ai.onnx"
 FILE_RE = re.compile(r"^neuropilot-(\d+(?:\.\d+)*)\.toml$")
@@ -285,7 +288,7 @@ def _parse_ops(v: _Validator, ops, where: str) -> dict[tuple[str, str], dict]:
 def _check_constraints(v: _Validator, constraints: dict, where: str) -> None:
     for kind, value in constraints.items():
         key = f"{where}.{kind}"
-        if kind == "dtypes":
+        if kind in ("dtypes", "const_dtypes"):
             v.dtypes(value, key)
         elif kind == "input_dtypes":
             for index, dts in v.table(value, key).items():
@@ -590,9 +593,29 @@ def _dtypes(node, c, opset, read_values):
     for label, t, index in _tensors(node):
         allowed = per_input.get(str(index), default) if index is not None else default
         name = _dtype_name(t)
-        if allowed is not None and name is not None and name not in allowed:
+        if allowed is None or name is None or name in allowed:
+            continue
+        const = _constant(t) if index is not None and name in c.get("const_dtypes", ()) else None
+        if const is None:
             return "dtype-unsupported", f"{label} is {name}", name
+        unfit = _int32_unfit(const, read_values)
+        if unfit:
+            return "dtype-unsupported", f"{label} is a {name} constant {unfit}", name
     return None
+
+
+def _int32_unfit(const: gs.Constant, read_values) -> str | None:
+    """Why the converter's cast of this constant to int32 would fail, or None."""
+    size = int(np.prod(const.shape, dtype=np.int64))
+    if size > CAST_LIMIT:
+        return f"of {size} elements (not checked)"
+    try:
+        values = np.asarray((read_values or (lambda k: k.values))(const))
+    except Exception:  # unreadable external data
+        return "whose values could not be read"
+    info = np.iinfo(np.int32)
+    bad = values[(values < info.min) | (values > info.max)]
+    return f"with values outside int32 ({bad.flat[0]})" if bad.size else None
 
 
 def _rank(node, c, opset, read_values):

@@ -61,8 +61,9 @@ def test_available_sdks_and_extends_chain():
 def test_native_rmsnorm_only_from_np8():
     for sdk in SDKS:
         expected = sdk in ("8.0", "9.0")
-        assert load_table(sdk).has_op("com.microsoft", "SimplifiedLayerNormalization") is expected
-        assert load_table(sdk).entry("com.microsoft", "SimplifiedLayerNormalization") is not None
+        for domain in ("ai.onnx", "com.microsoft"):  # onnxruntime runs it in the default domain
+            assert load_table(sdk).has_op(domain, "SimplifiedLayerNormalization") is expected
+            assert load_table(sdk).entry(domain, "SimplifiedLayerNormalization") is not None
 
 
 def test_unknown_sdk_and_arch_list_the_available_ones():
@@ -221,7 +222,24 @@ def test_const_inputs():
     assert verdict("6.0", const).supported
     int64 = one_node("Reshape", [("x", F, [4]), ("s", I64, [2])], [("y", F, [2, 2])],
                      {"s": np.array([2, 2], np.int64)})
-    assert verdict("6.0", int64).detail == "input 1 's' is int64"  # constants too: no int64 at all
+    assert verdict("6.0", int64).supported  # int64 by the ONNX spec; the converter casts it
+
+
+def test_int64_constants_must_fit_int32_and_runtime_int64_never():
+    def slice_(ends, runtime=False):
+        inputs = [("x", F, [1, 8]), ("s", I64, [1]), ("e", I64, [1]), ("a", I64, [1])]
+        inits = {"s": np.array([4], np.int64), "a": np.array([1], np.int64)}
+        if not runtime:
+            inits["e"] = np.array([ends], np.int64)
+        return one_node("Slice", inputs, [("y", F, [1, 4])], inits)
+
+    assert verdict("6.0", slice_(8)).supported
+    big = verdict("9.0", slice_(2**63 - 1))
+    assert (big.reason, big.detail, big.passes) == (
+        "dtype-unsupported", "input 2 'e' is a int64 constant with values outside int32 (9223372036854775807)",
+        ("int64-to-int32",))
+    runtime = verdict("9.0", slice_(8, runtime=True))
+    assert (runtime.reason, runtime.detail) == ("dtype-unsupported", "input 2 'e' is int64")
 
 
 def test_activation_matmul_follows_the_table(tmp_path):

@@ -117,7 +117,7 @@ def test_sdks_command(capsys):
 
 
 def test_ops_command(capsys):
-    code, out, _ = mtkc(capsys, "ops", "--sdk", "8.0", "--op", "SimplifiedLayerNormalization", "--format", "json")
+    code, out, _ = mtkc(capsys, "ops", "--sdk", "8.0", "--op", "ai.onnx:SimplifiedLayerNormalization", "--format", "json")
     (entry,) = json.loads(out)["entries"]
     assert code == 0 and entry["supported"] and entry["constraints"]["last_axis"] == "axis"
     assert entry["provenance"] == "mtk-llm-graphs" and entry["sources"] == ["L"]
