@@ -104,3 +104,15 @@ def test_causal_mask_and_feeds_mapping():
     assert V.match_output("present_key_0", ["logits", "present.0.key"]) == "present.0.key"
     with pytest.raises(InputError, match="compiled input 'pos_emb'"):
         V.build_feeds(args, compiled + [{"name": "pos_emb", "dtype": "float32", "shape": [1, 2, 2, 16]}], 50, 0)
+
+
+def test_verify_prefill_and_decode_graphs(exported, tmp_path):
+    """KV-cache compile (default pipeline): prefill T=4 and decode T=1, host embedding, new-entry presents."""
+    out = tmp_path / "out"
+    compile_model(exported("qwen2", "legacy17", cache=True), "8.0", out,
+                  {"seq_len": 4, "cache_len": 8, "kv_cache": True, "no_convert": True})
+    result = V.verify(out, samples=1)
+    assert result.ok, V.format_text(result)
+    checked = {(c.graph, c.pipeline, c.output) for c in result.checks}
+    assert {("prefill", "partitions", "logits"), ("decode", "partitions", "logits"),
+            ("decode", "graph", "present_value_1")} <= checked
