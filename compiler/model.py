@@ -134,9 +134,8 @@ def _read_external(proto: onnx.TensorProto, root: Path) -> np.ndarray:
             f.seek(offset)
             dtype = onnx.helper.tensor_dtype_to_np_dtype(proto.data_type)
             if dtype.itemsize * int(np.prod(proto.dims, dtype=np.int64)) == nbytes:
-                data = np.fromfile(f, dtype=dtype, count=nbytes // max(dtype.itemsize, 1))  # little-endian host
-                short = data.nbytes != nbytes
-                data = data.reshape(tuple(proto.dims)) if not short else data
+                data = np.empty(tuple(proto.dims), dtype=dtype)  # little-endian host, like ONNX
+                short = _read_into(f, memoryview(data.reshape(-1).view(np.uint8))) != nbytes
             else:  # sub-byte types: let onnx unpack them
                 raw = f.read(nbytes)
                 short = len(raw) != nbytes
@@ -147,6 +146,17 @@ def _read_external(proto: onnx.TensorProto, root: Path) -> np.ndarray:
     if short:
         raise InputError(f"{root / location}: tensor '{proto.name}' external data is truncated")
     return data
+
+
+def _read_into(f, view: memoryview) -> int:
+    """Fill `view` from `f` (one copy, straight into the array); returns the bytes read."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
 
 
 def _first_line(exc: BaseException) -> str:
