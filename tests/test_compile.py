@@ -15,6 +15,7 @@ from mtkc.capability import load_table
 from mtkc.compile import compile_model
 from mtkc.errors import InputError, MismatchError
 from mtkc.model import load
+from mtkc.passes.pipelines import default_pipeline
 
 SDK = "8.0"
 STABLE = ["bind-shapes", "fold", "rmsnorm", "swiglu"]  # keep the I/O contract: outputs comparable as is
@@ -213,3 +214,15 @@ def test_output_does_not_depend_on_hash_seed_or_folder_name(source, tmp_path):
     a, b = files(tmp_path / "first"), files(tmp_path / "second")
     a.pop("report.json"), b.pop("report.json")  # holds per-pass seconds
     assert sorted(a) == sorted(b) and [k for k in a if a[k] != b[k]] == []
+
+
+def test_check_reports_coverage_after_passes_and_the_pass_per_node(source):
+    from mtkc.check import check
+
+    report = check(source, SDK, seq_len=8).to_json()
+    assert 0 < report["coverage"]["raw"] < report["coverage"]["compiled"] <= 1
+    by_op = {g["op"]: g for g in report["unsupported"]}
+    shape = by_op["Shape"]  # shape maths disappears once dims are bound and folded
+    assert set(shape["rewritten_by"]) == set(shape["nodes"]) and set(shape["rewritten_by"].values()) <= {"bind-shapes", "fold"}
+    pipeline = set(default_pipeline(SDK))
+    assert all(p in pipeline for g in report["unsupported"] for p in g["rewritten_by"].values())

@@ -403,3 +403,9 @@ def test_entry_point_name_clash_names_both(installed_plugin):
     (installed_plugin / "entry_points.txt").write_text("[mtkc.passes]\nfold = mtkc_demo:Clash\n")
     with pytest.raises(PassError, match=r"pass name 'fold' is registered twice: by built-in \(mtkc.passes.fold.*\) and by mtkc-demo 0.3"):
         load_registry()
+
+
+def test_plugin_given_as_a_module(monkeypatch):
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    registry = load_registry(["strip_identity"])
+    assert registry.get("strip-identity").origin == "plugin strip_identity" and registry.enabled == ["strip-identity"]
