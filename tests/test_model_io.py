@@ -493,7 +493,14 @@ CLI_CASES = {
     "offset": lambda t: matmul_model(t / "model", ext_tensor("W", W.shape, "data.bin", offset=2**40)),
     "cycle": lambda t: write_model(t / "model", [oh.make_node("Add", ["X", "Y"], ["Y"], name="self")]),
     "garbage": lambda t: (t / "model" / "model.onnx").write_bytes(b"garbage\n" * 8) and t / "model" / "model.onnx",
+    "symlink": lambda t: matmul_model(t / "model", ext_tensor("W", W.shape, _link(lambda b: b / "outside" / "secret.bin")(t))),
+    "over-2gib": lambda t: os.truncate(_touch(t / "model" / "model.onnx"), 2**31 + 1) or t / "model" / "model.onnx",
 }
+
+
+def _touch(path: Path) -> Path:
+    path.touch()
+    return path
 
 
 @pytest.mark.parametrize("case", sorted(CLI_CASES))
