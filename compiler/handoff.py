@@ -153,8 +153,10 @@ def run(
     context = {"arch": str(manifest.get("arch") or ""), "sdk": str(manifest.get("sdk") or "")}
     _write_script(out / SCRIPT, backend, todo, context)
     section = {"backend": backend.name, "commands": [shlex.join(s) for s in backend.steps], "script": SCRIPT}
-    if no_convert or not backend.runnable or not todo:
-        reason = "--no-convert" if no_convert else backend.reason if not backend.runnable else "no NPU partition"
+    if not todo:
+        return Handoff({**section, "ran": False, "reason": "no NPU partition to convert"})
+    if no_convert or not backend.runnable:
+        reason = "--no-convert" if no_convert else backend.reason
         return Handoff({**section, "ran": False, "reason": f"{reason}; run {SCRIPT} to convert"})
     (out / "logs").mkdir(exist_ok=True)
     (out / "dla").mkdir(exist_ok=True)

@@ -276,3 +276,18 @@ def test_mediatek_python_api_preferred_when_importable(tmp_path, monkeypatch):
     assert result.error is None and result.section["backend"] == "mediatek-python"
     assert json.loads((out / "dla" / "model.npu2.tflite").read_text()) == [
         "model.npu2.onnx", ["r", "s"], [[1, N], [1, N]], "npsdk_v8"]
+
+
+def test_cli_partition_options(tmp_path, run_cli):
+    src = tmp_path / "src"
+    src.mkdir()
+    small_model(src / "model.onnx")
+    code, _, err = run_cli("compile", src / "model.onnx", "--sdk", "8.0", "-o", tmp_path / "a", "--force-cpu", "Tanh")
+    assert code == 2 and "--force-cpu 'Tanh': expected op:TYPE or node:GLOB" in err and not (tmp_path / "a").exists()
+    code, _, err = run_cli("compile", src / "model.onnx", "--sdk", "8.0", "-o", tmp_path / "b", "--passes", "fold",
+                           "--min-partition-nodes", "4", "--no-convert")
+    assert code == 0, err
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert [p["target"] for p in manifest["graphs"][0]["partitions"]] == ["cpu"]
+    assert manifest["options"]["min_partition_nodes"] == 4 and manifest["coverage"]["placed"] == 0.0
+    assert manifest["converter"] == {**manifest["converter"], "ran": False, "reason": "no NPU partition to convert"}
