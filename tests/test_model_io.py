@@ -16,6 +16,8 @@ import numpy as np
 import onnx
 import onnx.helper as oh
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from mtkc import model as mmodel
 from mtkc.errors import InputError
@@ -170,6 +172,34 @@ def test_hostile_external_data_is_refused_without_touching_outside(case, tree, f
     message = load_error(path)
     assert fragment in message and "tensor 'W'" in message, message
     assert_stayed_inside(fs_audit, tree / "model")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.sampled_from(["..", ".", "", "sub", "in", "out", "data.bin", "secret.bin", "outside", "C:"]),
+                min_size=1, max_size=6),
+       st.sampled_from(["/", "\\"]), st.booleans())
+def test_any_location_loads_inside_or_fails_cleanly(tree, fs_audit, parts, sep, leading):
+    """Property: whatever the location, load either reads a file inside the folder or raises
+    InputError, and never looks outside. `sub/in` links inside, `sub/out` links outside."""
+    folder = tree / "model"
+    if not (folder / "sub").exists():
+        (folder / "sub").mkdir()
+        (folder / "sub" / "in").symlink_to("../data.bin")
+        (folder / "sub" / "out").symlink_to("../../outside")
+    location = (sep if leading else "") + sep.join(parts)
+    path = matmul_model(folder, ext_tensor("W", W.shape, location))
+    fs_audit.clear()
+    try:
+        model = mmodel.load(path)
+        values = model.values(model.graph.nodes[0].inputs[1])
+    except InputError as exc:
+        values, message = None, str(exc)
+    seen = list(fs_audit)  # before numpy/pytest lazily import anything
+    assert_stayed_inside(seen, folder)
+    if values is None:
+        assert "\n" not in message and "tensor 'W'" in message
+    else:
+        np.testing.assert_array_equal(values, W)
 
 
 @pytest.mark.parametrize("location", ["../outside/secret.bin", "sub/../../outside/secret.bin", "/etc/hostname"])
