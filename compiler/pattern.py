@@ -339,7 +339,13 @@ class Emit:
 
     def op(self, op: str, inputs: list, attrs: dict | None = None, domain: str = "", dtype=None,
            shape=None, outputs: int = 1):
-        """Append `op`; returns its output Variable (or a list when `outputs` > 1)."""
+        """Append `op`; returns its output Variable (or a list when `outputs` > 1).
+
+        Every op emitted by the LLM passes computes floats: without `dtype`, the outputs take the
+        first floating input's (a constant's, when upstream types are unknown).
+        """
+        if dtype is None:
+            dtype = next((t.dtype for t in inputs if t.dtype is not None and np.dtype(t.dtype).kind == "f"), None)
         outs = [gs.Variable(self.name(f"{op.lower()}_out"), dtype=dtype, shape=shape) for _ in range(outputs)]
         node = gs.Node(op, self.name(op.lower()), attrs=dict(attrs or {}), inputs=list(inputs), outputs=outs)
         if domain:

@@ -166,7 +166,7 @@ class RMSNorm(Pass):
             out = m["out"].outputs[0]
             eps = float(m.value("eps").reshape(-1)[0])
             new = emit_norm(graph, ctx, m["x"], m["gamma"], eps, m["out"].name)
-            new.dtype, new.shape = out.dtype, out.shape
+            new.dtype, new.shape = out.dtype or new.dtype, out.shape
             replace_uses(graph, out, new)
             result.rewrites += 1
         for node in [n for n in graph.nodes if ((n.domain or ""), n.op) in FUSED]:
@@ -202,7 +202,7 @@ class RMSNorm(Pass):
                 x = e.op("Add", [x, node.inputs[3]], dtype=x.dtype, shape=x.shape)
         new = emit_norm(graph, ctx, x, gamma, eps, node.name)
         out = node.outputs[0]
-        new.dtype, new.shape = out.dtype, out.shape
+        new.dtype, new.shape = out.dtype or new.dtype, out.shape
         replace_uses(graph, out, new)
         if skip and len(node.outputs) > 3:
             replace_uses(graph, node.outputs[3], x)
