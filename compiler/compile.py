@@ -354,8 +354,13 @@ def _write(out: Path, variants: list[GraphVariant], data: dict, report: dict, ta
                 raise InputError(f"{out}: exists; pass --overwrite to replace it")
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.replace(out, old / out.name)
-            os.replace(stage, out)
-            shutil.rmtree(old, ignore_errors=True)
+            try:
+                os.replace(stage, out)
+            except BaseException:
+                os.replace(old / out.name, out)  # put the previous output back
+                raise
+            finally:
+                shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(stage, out)
     finally:
