@@ -27,6 +27,7 @@ log = logging.getLogger("mtkc")
 
 SCHEMA_VERSION = 1
 
+
 @dataclass
 class Group:
     """Unsupported nodes sharing op, domain and reason (detail/remedy of the first one)."""
@@ -200,7 +201,8 @@ def finish_shapes(graph: gs.Graph, root: Path | None = None) -> None:
             dims = vi.type.tensor_type.shape.dim
             if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
                 t.shape = [d.dim_value for d in dims]
-                t.dtype = t.dtype or onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
+                if t.dtype is None and vi.type.tensor_type.elem_type:
+                    t.dtype = onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
 
 
 def _symbolic_infer(proto: onnx.ModelProto) -> onnx.ModelProto:
