@@ -226,3 +226,18 @@ def test_check_reports_coverage_after_passes_and_the_pass_per_node(source):
     assert set(shape["rewritten_by"]) == set(shape["nodes"]) and set(shape["rewritten_by"].values()) <= {"bind-shapes", "fold"}
     pipeline = set(default_pipeline(SDK))
     assert all(p in pipeline for g in report["unsupported"] for p in g["rewritten_by"].values())
+
+
+def test_a_failure_while_writing_keeps_the_previous_output(source, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    compile_model(source, SDK, out, {"passes": ["fold"]})
+    before = files(out)
+
+    def disk_full(path, text):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("mtkc.compile._write_text", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        compile_model(source, SDK, out, {"passes": ["bind-shapes", "fold"], "seq_len": 8, "overwrite": True})
+    assert files(out) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
