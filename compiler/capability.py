@@ -458,7 +458,7 @@ class Table:
         """Verdict of one node from its tensors' dtypes/shapes (infer them first when unknown).
 
         `opset` picks the ONNX schema for attribute defaults (latest when None); `read_values`
-        reads a constant's values (needed only for a ReduceMean `axes` input in external data).
+        reads a small constant's values (ReduceMean `axes`, int64 constants) from external data.
         """
         failure = self._evaluate(node, opset, read_values)
         if failure is None:
