@@ -21,10 +21,13 @@ attention scaling as the export has them — is *evaluated* in onnxruntime for p
     table   (default) Gather(cos_table[max_pos, F], positions)       max_pos = option max_positions
                                                                       or cache_len + seq_len
     pos_emb a graph input pos_emb [1, 2, T, D] (cos, sin: MediaTek's convention), sliced
-            Squeeze(Slice(pos_emb, 0:1 | 1:2, axis 1)); position_ids is then dropped
+            Squeeze(Slice(pos_emb, 0:1 | 1:2, axis 1)); position_ids is then dropped. cos/sin
+            that shape folding already made constants (no cache: positions 0..T-1) become
+            pos_emb slices too, so every graph variant takes the same inputs.
+`map_feeds` builds pos_emb from the original position_ids (or 0..T-1) with the evaluated tables.
 
-Refused: cos/sin depending on more than one position source (bind shapes first), or a result that
-is not [.., positions, F].
+Refused: cos/sin depending on more than one position source (bind shapes first), no table size
+(give seq_len/cache_len or max_positions), or a result that is not [.., positions, F].
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ PATTERN = _pattern()
 
 
 def find(graph: gs.Graph, ctx: Context | None = None):
-    """Rotate-half sites (one per Neg) and the Negs that are not one."""
+    """Rotate-half sites (one per Neg / float Mul(·, -1)) and the anchors that are not one."""
     sites, misses = [], []
     for node in graph.nodes:
         if node.op == "Neg" or (node.op == "Mul" and _minus_one_operand(node)):
@@ -170,10 +173,10 @@ class Rope(Pass):
         if source in graph.inputs:
             self.position_input = source.name
         seq = ctx.options.get("seq_len") or (source.shape[-1] if source.shape else "sequence_length")
-        return self._slice(graph, node.name, kind, full, table.shape[1], seq, target)
+        return self._slice(graph, node.name, kind, full, table.shape[1], seq, target.shape)
 
-    def _slice(self, graph, prefix, kind, full, width, seq, target):
-        """Slice(pos_emb, cos|sin, first `width` columns), squeezed to `target`'s rank 3 (or kept 4-D)."""
+    def _slice(self, graph, prefix, kind, full, width, seq, shape):
+        """Slice(pos_emb, cos|sin, first `width` columns) [1,1,T,width], reshaped to `shape` when it differs."""
         pos_emb = next((t for t in graph.inputs if t.name == POS_EMB), None)
         if pos_emb is None:
             pos_emb = gs.Variable(POS_EMB, dtype=np.float32, shape=[1, 2, seq, full.shape[1]])
@@ -186,15 +189,13 @@ class Rope(Pass):
         sliced = e.op("Slice", [pos_emb, e.const("starts", np.array([k, 0], np.int64)),
                                 e.const("ends", np.array([k + 1, width], np.int64)),
                                 e.const("axes", np.array([1, 3], np.int64))], dtype=np.float32)
-        shape = list(target.shape) if target.shape is not None else None
+        shape = list(shape) if shape is not None else None
         if shape == [1, 1, seq, width]:
             sliced.shape = shape
             return sliced
-        if shape is not None and all(isinstance(d, int) for d in shape):  # e.g. [1, T, 1, D] (BSND)
-            return e.op("Reshape", [sliced, e.const("shape", np.array(shape, np.int64))], dtype=target.dtype,
-                        shape=shape)
-        return e.op("Squeeze", [sliced, e.const("axes", np.array([1], np.int64))], dtype=target.dtype,
-                    shape=target.shape)
+        if shape is not None and all(isinstance(d, int) for d in shape):  # [1, T, D] or [1, T, 1, D] (BSND)
+            return e.op("Reshape", [sliced, e.const("shape", np.array(shape, np.int64))], shape=shape)
+        return e.op("Squeeze", [sliced, e.const("axes", np.array([1], np.int64))], shape=shape)
 
     def _folded_to_pos_emb(self, graph, ctx, sites, result) -> int:
         """cos/sin already folded to constants (positions 0..T-1, no cache) -> pos_emb slices."""
@@ -210,12 +211,10 @@ class Rope(Pass):
                 if not width or sorted(d for d in values.shape if d != 1) not in (sorted([seq, width]), [width]):
                     result.misses.append(Miss(m["add"].name, f"constant {kind} has shape {list(values.shape)}"))
                     continue
-                new = self._slice(graph, m["add"].name, kind, values.reshape(seq, width), width, seq,
-                                  gs.Variable("shape", shape=list(values.shape)))
+                new = self._slice(graph, m["add"].name, kind, values.reshape(seq, width), width, seq, values.shape)
                 if isinstance(new, str):
                     result.misses.append(Miss(m["add"].name, new))
                     continue
-                new.shape = list(values.shape)
                 done[id(const)] = new
                 for consumer in list(const.outputs):
                     for i, t in enumerate(consumer.inputs):
