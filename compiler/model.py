@@ -18,7 +18,15 @@ import onnx.numpy_helper
 import onnx_graphsurgeon as gs
 
 from mtkc.errors import InputError
-from mtkc.model_checks import ExternalDataError, external_fields, external_size, open_external, validate_proto
+from mtkc.model_checks import (
+    ExternalDataError,
+    allowed_trees,
+    external_fields,
+    external_size,
+    open_external,
+    stored_tensors,
+    validate_proto,
+)
 
 PROTOBUF_LIMIT = 2**31 - 1
 
@@ -96,6 +104,30 @@ def read_values(tensor: gs.Constant, root: Path) -> np.ndarray:
     if lazy.tensor.data_location == onnx.TensorProto.EXTERNAL:
         return _read_external(lazy.tensor, root)
     return np.array(onnx.numpy_helper.to_array(lazy.tensor))
+
+
+def onnxruntime_view(proto: onnx.ModelProto, root: Path) -> tuple[onnx.ModelProto, Path]:
+    """(proto, folder) to hand onnxruntime for a model whose external data is under `root`.
+
+    onnxruntime (>= 1.24) refuses data whose real path leaves the folder it is given, so a
+    Hugging Face cache model (`snapshots/<rev>/x.data -> ../../blobs/<hash>`) fails. For that
+    layout this returns a copy whose locations are the same logical paths spelled from the
+    repository folder (`snapshots/<rev>/x.data`), and that folder. Otherwise (proto, root).
+    """
+    root_real = os.path.realpath(root)
+    trees = allowed_trees(root_real)
+    external = [t for t, _, _ in stored_tensors(proto) if t.data_location == onnx.TensorProto.EXTERNAL]
+    if len(trees) == 1 or not external:
+        return proto, root
+    repo = os.path.dirname(trees[1])
+    prefix = os.path.relpath(root_real, repo)
+    view = onnx.ModelProto()
+    view.CopyFrom(proto)
+    for tensor, _, _ in stored_tensors(view):
+        for entry in tensor.external_data if tensor.data_location == onnx.TensorProto.EXTERNAL else ():
+            if entry.key == "location":
+                entry.value = f"{prefix}/{entry.value}"
+    return view, Path(repo)
 
 
 def constants(graph: gs.Graph):

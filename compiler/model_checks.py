@@ -83,7 +83,7 @@ _TYPED_FIELD = {  # data_type -> (typed field, values per element) when raw_data
 def validate_proto(proto: onnx.ModelProto, path: Path, root: Path) -> None:
     """Raise InputError on the first hostile or broken reference or structure in `proto`."""
     files: dict[str, tuple[str, int]] = {}  # location -> (real path, size), resolved once
-    for tensor, where, sparse in _tensors(proto):
+    for tensor, where, sparse in stored_tensors(proto):
         _check_tensor(tensor, where, sparse, path, root, files)
     _check_graph(proto.graph, path, [], depth=0)
 
@@ -102,7 +102,7 @@ def resolve_location(root: Path, location: str) -> tuple[str, os.stat_result]:
     """
     parts = location_parts(location)
     root_real = os.path.realpath(root)
-    allowed = _allowed_trees(root_real)
+    allowed = allowed_trees(root_real)
     current, pending, hops, st = root_real, list(reversed(parts)), 0, None
     while pending:
         part = pending.pop()
@@ -169,7 +169,8 @@ def location_parts(location: str) -> list[str]:
     return parts
 
 
-def _allowed_trees(root_real: str) -> list[str]:
+def allowed_trees(root_real: str) -> list[str]:
+    """The model folder, plus `<repo>/blobs` when the folder is in `<repo>/snapshots/<rev>/`."""
     trees = [root_real]
     parts = Path(root_real).parts
     for i in range(len(parts) - 2, 0, -1):  # nearest `<repo>/snapshots/<rev>` above the folder
@@ -261,7 +262,7 @@ def _check_inline(tensor: onnx.TensorProto) -> None:
         raise ExternalDataError(f"has {have} values in {field}, its shape needs {count * per}")
 
 
-def _tensors(proto: onnx.ModelProto):
+def stored_tensors(proto: onnx.ModelProto):
     """(TensorProto, description, is part of a sparse tensor) for every tensor stored in the model, subgraphs included."""
     yield from _graph_tensors(proto.graph)
     for func in proto.functions:

@@ -15,10 +15,12 @@ import ml_dtypes
 import numpy as np
 import onnx
 import onnx.helper as oh
+import onnx_graphsurgeon as gs
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mtkc import execute
 from mtkc import model as mmodel
 from mtkc.errors import InputError
 
@@ -295,9 +297,20 @@ def _hf_cache(base: Path, subdir: str = "") -> Path:
 
 
 @pytest.mark.parametrize("subdir", ["", "onnx"])
-def test_hugging_face_cache_layout_loads(subdir, tmp_path):
+def test_hugging_face_cache_layout_loads_and_runs(subdir, tmp_path):
     model = mmodel.load(_hf_cache(tmp_path.resolve(), subdir))
     np.testing.assert_array_equal(model.values(model.graph.nodes[0].inputs[1]), W)
+    proto, folder = mmodel.onnxruntime_view(gs.export_onnx(model.graph), model.root)
+    assert folder == tmp_path.resolve() / "models--org--m"
+    assert mmodel.external_info(proto.graph.initializer[0])["location"] == f"{Path('snapshots/0123abcd', subdir)}/model.onnx.data"
+    x = np.ones((2, 64), np.float32)
+    np.testing.assert_allclose(execute.run(proto, {"X": x}, root=folder)["Y"], x @ W, rtol=1e-6)
+
+
+def test_onnxruntime_view_leaves_ordinary_folders_alone(tree):
+    model = mmodel.load(matmul_model(tree / "model", ext_tensor("W", W.shape, "data.bin")))
+    proto = gs.export_onnx(model.graph)
+    assert mmodel.onnxruntime_view(proto, model.root) == (proto, model.root)
 
 
 def test_hugging_face_cache_does_not_allow_links_outside_blobs(tmp_path):
