@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from mtkc import execute
 from mtkc import model as mmodel
+from mtkc import weights
 from mtkc.errors import InputError
 
 W = np.arange(64 * 32, dtype=np.float32).reshape(64, 32) / 100  # 8192 bytes
@@ -305,6 +306,8 @@ def test_hugging_face_cache_layout_loads_and_runs(subdir, tmp_path):
     assert mmodel.external_info(proto.graph.initializer[0])["location"] == f"{Path('snapshots/0123abcd', subdir)}/model.onnx.data"
     x = np.ones((2, 64), np.float32)
     np.testing.assert_allclose(execute.run(proto, {"X": x}, root=folder)["Y"], x @ W, rtol=1e-6)
+    saved = weights.save(model.graph, model.root, tmp_path / "out" / "model.onnx")  # reads through the links
+    np.testing.assert_allclose(execute.run(saved, {"X": x}, root=tmp_path / "out")["Y"], x @ W, rtol=1e-6)
 
 
 def test_onnxruntime_view_leaves_ordinary_folders_alone(tree):
