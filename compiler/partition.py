@@ -132,18 +132,13 @@ def name_nodes(graph: gs.Graph) -> None:
 
 
 def node_inputs(node: gs.Node) -> list[gs.Tensor]:
-    """The tensors a node reads: its inputs plus outer-scope tensors its subgraphs use."""
-    tensors = list(node.inputs)
-    for sub in node.subgraphs(recursive=True):
-        local = {id(t) for t in sub.inputs}
-        local.update(id(t) for n in sub.nodes for t in n.outputs)
-        local.update(id(t) for n in sub.nodes for t in _graph_attr_inputs(n))
-        tensors.extend(t for n in sub.nodes for t in n.inputs if id(t) not in local)
-    return tensors
-
-
-def _graph_attr_inputs(node: gs.Node) -> list[gs.Tensor]:
-    return [t for g in node.subgraphs(recursive=False) for t in g.inputs]
+    """The tensors a node reads: its inputs plus outer-scope tensors its subgraphs (If/Loop) use."""
+    subs = list(node.subgraphs(recursive=True))
+    if not subs:
+        return list(node.inputs)
+    local = {id(t) for g in subs for t in g.inputs} | {id(t) for g in subs for n in g.nodes for t in n.outputs}
+    used = [t for g in subs for n in g.nodes for t in n.inputs] + [t for g in subs for t in g.outputs]
+    return list(node.inputs) + [t for t in used if id(t) not in local]
 
 
 def partition(
@@ -158,7 +153,7 @@ def partition(
     still too small is relabelled CPU in place (still convex: segments stay contiguous).
     """
     nodes = list(graph.nodes)
-    succ, indeg = _edges(nodes)
+    succ, indeg, in_order = _edges(nodes)
     placements = dict(placements)
     segments = _waves(nodes, succ, indeg, placements)
     if min_partition_nodes > 1:
@@ -177,27 +172,34 @@ def partition(
             merged[-1][1].extend(idx)
         else:
             merged.append((target, list(idx)))
-    # Members listed in graph order: a convex subset of a topological order is topologically sorted.
-    owner = [0] * len(nodes)
-    for k, (_, idx) in enumerate(merged):
-        for i in idx:
-            owner[i] = k
     parts = [Partition(f"{target}{k}", target) for k, (target, _) in enumerate(merged)]
-    for i, node in enumerate(nodes):
-        parts[owner[i]].nodes.append(node)
+    if in_order:  # graph order reads best; a convex subset of a topological order is topologically sorted
+        owner = [0] * len(nodes)
+        for k, (_, idx) in enumerate(merged):
+            for i in idx:
+                owner[i] = k
+        for i, node in enumerate(nodes):
+            parts[owner[i]].nodes.append(node)
+    else:  # the order the waves took them in is topological too
+        for part, (_, idx) in zip(parts, merged):
+            part.nodes.extend(nodes[i] for i in idx)
     return parts, placements
 
 
-def _edges(nodes: list[gs.Node]) -> tuple[list[list[int]], list[int]]:
+def _edges(nodes: list[gs.Node]) -> tuple[list[list[int]], list[int], bool]:
+    """Successor lists, in-degrees, and whether the node list is already topologically sorted."""
     index = {id(n): i for i, n in enumerate(nodes)}
     succ: list[list[int]] = [[] for _ in nodes]
     indeg = [0] * len(nodes)
+    in_order = True
     for j, node in enumerate(nodes):
         for tensor in node_inputs(node):
             if tensor.inputs and id(tensor.inputs[0]) in index:
-                succ[index[id(tensor.inputs[0])]].append(j)
+                i = index[id(tensor.inputs[0])]
+                succ[i].append(j)
                 indeg[j] += 1
-    return succ, indeg
+                in_order = in_order and i < j
+    return succ, indeg, in_order
 
 
 def _waves(

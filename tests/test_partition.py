@@ -196,3 +196,41 @@ def test_stitched_partitions_compute_the_whole_graph(case):
     whole = run(graph, {k: v for k, v in feeds.items() if any(t.name == k for t in graph.inputs)})
     for name, value in whole.items():
         np.testing.assert_array_equal(env[name], value)
+
+
+@settings(max_examples=100, deadline=None)
+@given(dags(), st.randoms(use_true_random=False))
+def test_unsorted_node_list_still_gives_sorted_partitions(case, rnd):
+    spec, mask = case
+    graph = make_dag(spec)
+    rnd.shuffle(graph.nodes)
+    mask_by_name = {f"n{k}": m for k, m in enumerate(mask)}
+    parts, final = partition(graph, place(graph, verdict_from(mask_by_name)))
+    check_invariants(graph, parts, final, mask_by_name)
+    for p in parts:
+        position = {n.name: k for k, n in enumerate(p.nodes)}
+        for n in p.nodes:
+            for t in n.inputs:
+                if t.inputs and t.inputs[0].name in position:
+                    assert position[t.inputs[0].name] < position[n.name]
+
+
+def test_subgraph_reads_count_as_edges():
+    """An If whose branch reads an outer tensor depends on that tensor's producer."""
+    x = gs.Variable("x", np.float32, (1, 4))
+    cond = gs.Variable("cond", np.bool_, ())
+    a, b, y = (gs.Variable(n, np.float32, (1, 4)) for n in ("a", "b", "y"))
+    branch_out = gs.Variable("branch_out", np.float32, (1, 4))
+    branch = gs.Graph(nodes=[gs.Node("Relu", "inner", inputs=[a], outputs=[branch_out])], outputs=[branch_out])
+    nodes = [
+        gs.Node("Sin", "producer", inputs=[x], outputs=[a]),  # CPU
+        gs.Node("If", "if", inputs=[cond], outputs=[b], attrs={"then_branch": branch, "else_branch": branch}),
+        gs.Node("Relu", "after", inputs=[b], outputs=[y]),
+    ]
+    graph = gs.Graph(nodes=[nodes[1], nodes[0], nodes[2]], inputs=[x, cond], outputs=[y], opset=17)
+    parts, _ = partition(graph, place(graph, verdict_from({"producer": False, "if": True, "after": True})))
+    assert [(p.id, [n.name for n in p.nodes]) for p in parts] == [("cpu0", ["producer"]), ("npu1", ["if", "after"])]
+    from mtkc.stitch import boundaries
+
+    (_, cpu_out), (npu_in, _) = boundaries(graph, parts)
+    assert [t.name for t in cpu_out] == ["a"] and [t.name for t in npu_in] == ["cond", "a"]
