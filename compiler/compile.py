@@ -80,6 +80,51 @@ def normalise(options: dict[str, Any] | None) -> dict[str, Any]:
     return options
 
 
+def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.PathLike, options: dict[str, Any] | None = None, table=None) -> CompileResult:
+    """Compile `model_path` for `sdk` into `out_dir` (see the module docstring)."""
+    from mtkc.generate import host_tables
+
+    options = normalise(options)
+    out = Path(out_dir)
+    model = load(model_path)
+    _check_out(out, model, bool(options["overwrite"]))
+    if table is None:
+        from mtkc.capability import load_table
+
+        table = load_table(sdk, options["arch"])
+    raw = _raw_coverage(model.path, table, options)
+    variants, tables = [], {}
+    for i, (name, overrides) in enumerate(_variants(model.graph, options)):
+        m = model if i == 0 else load(model_path)
+        compiled = compile_graph(m, sdk, {**options, **overrides}, table)
+        for record in compiled.records:
+            record.graph = name
+        variant = GraphVariant(name, m.graph, compiled=compiled)
+        variant.partitions = _partitions(variant, compiled.ctx)
+        variants.append(variant)
+        for key, value in host_tables(compiled.pipeline.passes, m.values).items():
+            tables.setdefault(key, value)
+    by_graph = {v.name: v.compiled.coverage["compiled"] for v in variants}
+    known = [c for c in by_graph.values() if c is not None]
+    data = manifest.build(
+        sdk=str(table.version),
+        arch=getattr(table, "arch", None) or options["arch"],
+        options={k: v for k, v in options.items() if k not in RUN_OPTIONS},
+        graphs=[manifest.graph_entry(v.name, f"{v.name}.onnx", v.graph, v.partitions) for v in variants],
+        coverage={"raw": raw, "compiled": min(known) if known else None, "graphs": by_graph},
+        passes=[r.stats() for v in variants for r in v.compiled.records],
+    )
+    report = _report(model, variants, data["coverage"])
+    _write(out, variants, data, report, tables, model.root, bool(options["overwrite"]))
+    from mtkc.deliver import finish  # hand-off to the converter, overlays, report.md
+
+    error = finish(out, data, report, {v.name: (v.graph, v.split) for v in variants}, model.path,
+                   getattr(table, "converter", None), options["converter_cmd"], options["no_convert"])
+    if error is not None:
+        raise error
+    return CompileResult(out, data, report, [r for v in variants for r in v.compiled.records], variants)
+
+
 def compile_graph(model: Model, sdk: str, options: dict[str, Any], table=None, observe=None) -> Compiled:
     """Run the pipeline on `model.graph` in place; nothing is written.
 
@@ -137,121 +182,6 @@ def _raw_coverage(path: Path, table, options: dict[str, Any]) -> float | None:
     shapes = {k: options[k] for k in ("seq_len", "cache_len", "batch")}
     report = check(path, table.version, table.arch, input_shapes=options["input_shapes"] or None, compiled=False, **shapes)
     return report.assessment.coverage
-
-
-def compiled_coverage(model_path, table, options: dict[str, Any], watch: list[str]) -> tuple[float | None, dict[str, str]]:
-    """Coverage after the pipeline (run in memory), and for each node in `watch` the pass after
-    which it is gone (rewritten) or supported: {node name: pass name}."""
-    model = load(model_path)
-    pending = set(watch)
-    fixed: dict[str, str] = {}
-
-    def track(p, graph: gs.Graph) -> None:
-        nodes = {n.name: n for n in graph.nodes}
-        for name in sorted(pending):
-            node = nodes.get(name)
-            if node is None or table.verdict(node, graph.opset, model.values).supported:
-                fixed[name] = p.name
-                pending.discard(name)
-
-    compiled = compile_graph(model, table.version, {**options, "arch": table.arch}, table, observe=track)
-    return compiled.coverage["compiled"], fixed
-
-
-def assessment(graph: gs.Graph, ctx: Context):
-    """`mtkc.check.assess` of a graph (None when the table gives no verdicts, e.g. a stand-in)."""
-    from mtkc.capability import Table
-    from mtkc.check import assess
-
-    if not isinstance(ctx.table, Table):
-        return None
-    return assess(graph, ctx.table, graph.opset, ctx.read_values)
-
-
-def _raw_coverage(path: Path, table, options: dict[str, Any]) -> float | None:
-    """Coverage of the input as `mtkc check` computes it (shapes bound, no pass run)."""
-    from mtkc.capability import Table
-    from mtkc.check import check
-
-    if not isinstance(table, Table):
-        return None
-    shapes = {k: options[k] for k in ("seq_len", "cache_len", "batch")}
-    report = check(path, table.version, table.arch, input_shapes=options["input_shapes"] or None, compiled=False, **shapes)
-    return report.assessment.coverage
-
-
-def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.PathLike, options: dict[str, Any] | None = None, table=None) -> CompileResult:
-    """Compile `model_path` for `sdk` into `out_dir` (see the module docstring)."""
-    options = normalise(options)
-    out = Path(out_dir)
-    model = load(model_path)
-    _check_out(out, model, bool(options["overwrite"]))
-    compiled = compile_graph(model, sdk, options, table)
-    variants = _variants(model.graph, compiled.ctx)
-    for variant in variants:
-        variant.partitions = _partitions(variant, compiled.ctx)
-    data = manifest.build(
-        sdk=str(compiled.ctx.table.version),
-        arch=getattr(compiled.ctx.table, "arch", None) or options["arch"],
-        options={k: v for k, v in options.items() if k not in RUN_OPTIONS},
-        graphs=[manifest.graph_entry(v.name, f"{v.name}.onnx", v.graph, v.partitions) for v in variants],
-        coverage=compiled.coverage,
-        passes=[r.stats() for r in compiled.records],
-    )
-    report = _report(model, compiled)
-    _write(out, variants, data, report, model.root, bool(options["overwrite"]))
-    from mtkc.deliver import finish  # hand-off to the converter, overlays, report.md
-
-    error = finish(out, data, report, {v.name: (v.graph, v.split) for v in variants}, model.path,
-                   getattr(compiled.ctx.table, "converter", None), options["converter_cmd"], options["no_convert"])
-    if error is not None:
-        raise error
-    return CompileResult(out, data, report, compiled.records, variants)
-
-
-def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.PathLike, options: dict[str, Any] | None = None, table=None) -> CompileResult:
-    """Compile `model_path` for `sdk` into `out_dir` (see the module docstring)."""
-    from mtkc.generate import host_tables
-
-    options = normalise(options)
-    out = Path(out_dir)
-    model = load(model_path)
-    _check_out(out, model, bool(options["overwrite"]))
-    if table is None:
-        from mtkc.capability import load_table
-
-        table = load_table(sdk, options["arch"])
-    raw = _raw_coverage(model.path, table, options)
-    variants, tables = [], {}
-    for i, (name, overrides) in enumerate(_variants(model.graph, options)):
-        m = model if i == 0 else load(model_path)
-        compiled = compile_graph(m, sdk, {**options, **overrides}, table)
-        for record in compiled.records:
-            record.graph = name
-        variant = GraphVariant(name, m.graph, compiled=compiled)
-        variant.partitions = _partitions(variant, compiled.ctx)
-        variants.append(variant)
-        for key, value in host_tables(compiled.pipeline.passes, m.values).items():
-            tables.setdefault(key, value)
-    by_graph = {v.name: v.compiled.coverage["compiled"] for v in variants}
-    known = [c for c in by_graph.values() if c is not None]
-    data = manifest.build(
-        sdk=str(table.version),
-        arch=getattr(table, "arch", None) or options["arch"],
-        options={k: v for k, v in options.items() if k not in RUN_OPTIONS},
-        graphs=[manifest.graph_entry(v.name, f"{v.name}.onnx", v.graph, v.partitions) for v in variants],
-        coverage={"raw": raw, "compiled": min(known) if known else None, "graphs": by_graph},
-        passes=[r.stats() for v in variants for r in v.compiled.records],
-    )
-    report = _report(model, variants, data["coverage"])
-    _write(out, variants, data, report, tables, model.root, bool(options["overwrite"]))
-    from mtkc.deliver import finish  # hand-off to the converter, overlays, report.md
-
-    error = finish(out, data, report, {v.name: (v.graph, v.split) for v in variants}, model.path,
-                   getattr(table, "converter", None), options["converter_cmd"], options["no_convert"])
-    if error is not None:
-        raise error
-    return CompileResult(out, data, report, [r for v in variants for r in v.compiled.records], variants)
 
 
 def _variants(graph: gs.Graph, options: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
