@@ -36,6 +36,7 @@ SCRIPT = "convert.sh"
 PATH_KEYS = ("input", "output", "onnx", "tflite", "dla")
 OUT_MARK = "@MTKC_OUT@"  # stands for "$OUT" in convert.sh (shlex-safe characters)
 MAX_BISECT_RUNS = 12  # 2**12 nodes pinned to one
+ERROR_LINE = re.compile(r"error|unsupport|not support|fail|fallback|invalid", re.IGNORECASE)
 
 # MediaTek's Python API, run in a child process so a crash in it cannot take mtkc down.
 PY_CONVERT = """\
@@ -175,19 +176,24 @@ def run(
 
 
 def blame(out: Path, job: Job, log: str, fails, max_runs: int = MAX_BISECT_RUNS) -> dict:
-    """The node(s) a failure is pinned on: named in the log, else by op type, else by bisection."""
+    """The node(s) a failure is pinned on: named in the log, else by op type, else by bisection.
+
+    Error-looking lines are searched first, so a verbose converter listing every node it
+    visited does not blame them all.
+    """
     proto = onnx.load(str(out / job.onnx), load_external_data=False)
     ops = {n.name: n.op_type for n in proto.graph.node}
-    said = "\n".join(line for line in log.splitlines() if not line.startswith("$ "))  # not our own command line
-    tokens = set(re.findall(r"[^\s'\"`,;()\[\]{}<>=]+", said))
-    tokens |= {t.rstrip(":.") for t in tokens}
-    named = [n for n in ops if n in tokens]
-    if named:
-        return {"method": "log-node", "nodes": named, "ops": sorted({ops[n] for n in named})}
-    normal = {re.sub(r"[^A-Z0-9]", "", t.upper()) for t in tokens}
-    found = sorted({op for op in ops.values() if op.upper() in normal})
-    if found:
-        return {"method": "log-op", "nodes": [n for n, op in ops.items() if op in found], "ops": found}
+    said = [line for line in log.splitlines() if not line.startswith("$ ")]  # not our own command line
+    for lines in ([line for line in said if ERROR_LINE.search(line)], said):
+        tokens = set(re.findall(r"[^\s'\"`,;()\[\]{}<>=]+", "\n".join(lines)))
+        tokens |= {t.rstrip(":.") for t in tokens}
+        named = [n for n in ops if n in tokens]
+        if named:
+            return {"method": "log-node", "nodes": named, "ops": sorted({ops[n] for n in named})}
+        normal = {re.sub(r"[^A-Z0-9]", "", t.upper()) for t in tokens}
+        found = sorted({op for op in ops.values() if op.upper() in normal})
+        if found:
+            return {"method": "log-op", "nodes": [n for n, op in ops.items() if op in found], "ops": found}
     return bisect(out, job, fails, max_runs)
 
 

@@ -291,3 +291,12 @@ def test_cli_partition_options(tmp_path, run_cli):
     assert [p["target"] for p in manifest["graphs"][0]["partitions"]] == ["cpu"]
     assert manifest["options"]["min_partition_nodes"] == 4 and manifest["coverage"]["placed"] == 0.0
     assert manifest["converter"] == {**manifest["converter"], "ran": False, "reason": "no NPU partition to convert"}
+
+
+def test_blame_prefers_error_lines_over_a_verbose_listing(tmp_path):
+    out, manifest = build_out(tmp_path)
+    job = handoff.jobs(manifest)[1]
+    log = "$ conv --input x\nvisiting mul\nvisiting tanh\nvisiting mm2\nE: unsupported operation at tanh\nexit code: 1\n"
+    assert handoff.blame(out, job, log, fails=None) == {"method": "log-node", "nodes": ["tanh"], "ops": ["Tanh"]}
+    log = "visiting mul\nconversion aborted\n"  # no error line names anything: the whole log is searched
+    assert handoff.blame(out, job, log, fails=None)["nodes"] == ["mul"]
