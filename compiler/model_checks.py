@@ -193,7 +193,7 @@ def external_size(tensor: onnx.TensorProto) -> int:
         raise ExternalDataError(f"has data type {tensor.data_type} that cannot be stored externally") from None
 
 
-def external_fields(tensor: onnx.TensorProto) -> tuple[str, int, int | None]:
+def external_fields(tensor: onnx.TensorProto, warn: bool = False) -> tuple[str, int, int | None]:
     """(location, offset, length or None) of an external tensor, validated as text."""
     info: dict[str, str] = {}
     unknown = []
@@ -202,7 +202,7 @@ def external_fields(tensor: onnx.TensorProto) -> tuple[str, int, int | None]:
             info[entry.key] = entry.value
         else:
             unknown.append(entry.key)
-    if unknown:
+    if unknown and warn:
         shown = ", ".join(repr(k) for k in unknown[:10])
         log.warning("mtkc: warning: tensor '%s' has unknown external_data keys %s (ignored)", tensor.name, shown)
     numbers = {}
@@ -232,7 +232,7 @@ def _check_external(tensor: onnx.TensorProto, root: Path, files: dict) -> None:
     if tensor.data_type == onnx.TensorProto.STRING:
         raise ExternalDataError("string tensors cannot have external data")
     size = external_size(tensor)
-    location, offset, length = external_fields(tensor)
+    location, offset, length = external_fields(tensor, warn=True)
     if location not in files:
         real, st = resolve_location(root, location)
         files[location] = (real, st.st_size)
