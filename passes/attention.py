@@ -108,7 +108,8 @@ def _one_scale(graph: gs.Graph, m) -> int:
 
 
 def _plain_transpose(graph: gs.Graph, m) -> int:
-    """Reshape(Transpose(Reshape(K, [-1,T,D]), [0,2,1]), [B,H,D,T]) -> Transpose(K, [0,1,3,2]) (static shapes)."""
+    """Reshape(Transpose(Reshape(K, [-1,T,D]), [0,2,1]), [B,H,D,T]) -> Transpose(K, [0,1,3,2]) (static shapes;
+    K is first reshaped to [B,H,T,D] when it arrives in another rank)."""
     kt = m["kt"]
     outer = kt.inputs[0] if len(kt.inputs) == 1 else None
     if outer is None or outer.op != "Reshape":
@@ -120,11 +121,14 @@ def _plain_transpose(graph: gs.Graph, m) -> int:
     if inner is None or inner.op != "Reshape":
         return 0
     k, flat = inner.inputs[0], inner.outputs[0]
-    if not all(_static(t) and len(t.shape) == r for t, r in ((k, 4), (kt, 4), (flat, 3))):
+    if not (_static(k) and _static(kt) and _static(flat) and len(kt.shape) == 4 and len(flat.shape) == 3):
         return 0
-    if list(flat.shape[1:]) != list(k.shape[2:]) or list(kt.shape) != [*k.shape[:2], k.shape[3], k.shape[2]]:
+    b, h, d, t = kt.shape
+    if list(flat.shape) != [b * h, t, d] or list(k.shape[-2:]) != [t, d]:
         return 0
     e = Emit(graph, outer.name)
+    if list(k.shape) != [b, h, t, d]:  # e.g. the 5-D GQA repeat folded into this Reshape
+        k = e.op("Reshape", [k, e.const("shape", np.array([b, h, t, d], np.int64))], dtype=kt.dtype, shape=[b, h, t, d])
     new = e.op("Transpose", [k], {"perm": [0, 1, 3, 2]}, dtype=kt.dtype, shape=kt.shape)
     replace_uses(graph, kt, new)
     return 1
