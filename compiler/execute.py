@@ -9,6 +9,8 @@ import onnx
 import onnx_graphsurgeon as gs
 import onnxruntime as ort
 
+from mtkc.model import onnxruntime_view
+
 EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 
 
@@ -19,6 +21,7 @@ def session(model: gs.Graph | onnx.ModelProto, root: Path | None = None) -> ort.
     options.log_severity_level = 3
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     if root is not None:
+        proto, root = onnxruntime_view(proto, root)
         options.add_session_config_entry(EXTERNAL_FOLDER_KEY, str(root))
     return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
