@@ -7,8 +7,8 @@ Registry:  built-ins (every module of `mtkc.passes`, imported in name order), th
 Pipeline:  `--passes` (exact list) or the SDK's default list plus enabled plugin passes,
            minus `--skip-pass`; passes whose `applies(ctx)` is false are skipped and reported.
 Running:   after each pass the graph invariants are restored and checked (`mtkc.invariants`);
-           per-pass stats are kept; `--verify-each` runs the graph in onnxruntime after every
-           pass that changed it and names the first one that changed the numbers.
+           per-pass stats are kept; `--verify-each` compares with the input model after every
+           pass that changed the graph (`mtkc.verify_each`).
 A plugin that fails to import, registers a bad name, or raises is a PassError naming it.
 """
 
@@ -26,17 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc import invariants
-from mtkc.errors import InputError, MismatchError, MtkcError, PassError
+from mtkc.errors import InputError, MtkcError, PassError
 from mtkc.pass_api import REGISTRY, Context, Miss, Pass, PassResult, collecting, describe
 
 log = logging.getLogger("mtkc.passes")
 
 ENTRY_POINT_GROUP = "mtkc.passes"
-ATOL, RTOL = 1e-5, 1e-4  # fp32 tolerances of --verify-each (onnxruntime's provider checks)
 
 
 # --- registry -------------------------------------------------------------------------------
@@ -102,7 +100,7 @@ def builtin_passes() -> dict[str, type[Pass]]:
         except MtkcError:
             raise
         except Exception as exc:
-            raise PassError(f"built-in pass module {module} failed to import: {_one_line(exc)}") from None
+            raise PassError(f"built-in pass module {module} failed to import: {one_line(exc)}") from None
     return dict(REGISTRY)
 
 
@@ -127,7 +125,7 @@ def load_plugin(spec: str) -> dict[str, type[Pass]]:
         except MtkcError:
             raise
         except Exception as exc:
-            raise PassError(f"{origin} failed to import: {_one_line(exc)}") from None
+            raise PassError(f"{origin} failed to import: {one_line(exc)}") from None
     if not found:
         raise PassError(f"{origin} registers no pass (decorate a Pass subclass with @mtkc.pass_api.register)")
     return dict(found)
@@ -151,7 +149,7 @@ def _load_entry_point(ep: importlib.metadata.EntryPoint) -> type[Pass]:
         except MtkcError:
             raise
         except Exception as exc:
-            raise PassError(f"pass '{ep.name}' ({origin}) failed to load: {_one_line(exc)}") from None
+            raise PassError(f"pass '{ep.name}' ({origin}) failed to load: {one_line(exc)}") from None
     if not (isinstance(cls, type) and issubclass(cls, Pass)) or cls.name != ep.name:
         raise PassError(f"entry point '{ep.name}' ({origin}) must name a Pass subclass whose name is '{ep.name}'")
     cls.origin = origin
@@ -251,7 +249,12 @@ def run_pipeline(
     """
     invariants.restore(graph, None, InputError)
     invariants.check(graph, None, error=InputError)
-    verifier = EachVerifier(graph, ctx, seed) if verify_each else None
+    if verify_each:
+        from mtkc.verify_each import EachVerifier
+
+        verifier = EachVerifier(graph, ctx, seed)
+    else:
+        verifier = None
     records = []
     for p in pipeline.passes:
         nodes_before = len(graph.nodes)
@@ -309,100 +312,9 @@ def guarded(p, what: str, fn, *args):
         raise
     except Exception as exc:
         name = getattr(p, "name", "?")
-        raise PassError(f"pass '{name}' ({describe(p if isinstance(p, type) else type(p))}) raised in {what}: {_one_line(exc)}") from None
+        raise PassError(f"pass '{name}' ({describe(p if isinstance(p, type) else type(p))}) raised in {what}: {one_line(exc)}") from None
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-
-
-# --- verify-each ----------------------------------------------------------------------------
-
-
-class EachVerifier:
-    """Compare the graph after each changing pass with the input model, on seeded inputs.
-
-    The input model runs once, up front, on seeded inputs whose symbolic dims are bound the way
-    the pipeline binds them (the `bind-shapes` pass on a copy, with the compile options).
-    Passes that change the I/O contract map feeds and expected outputs through
-    `Pass.map_feeds` / `Pass.map_outputs`.
-    """
-
-    def __init__(self, graph: gs.Graph, ctx: Context, seed: int = 0, atol: float = ATOL, rtol: float = RTOL):
-        from mtkc import execute
-
-        self.ctx, self.atol, self.rtol = ctx, atol, rtol
-        self.pending: list[Pass] = []
-        inputs = _bound_inputs(graph, ctx)
-        self.feeds = _positions_follow_cache(execute.seeded_inputs(gs.Graph(inputs=inputs), seed))
-        try:
-            self.expected = execute.run(gs.export_onnx(graph, do_type_check=False), self.feeds, ctx.root)
-        except Exception as exc:
-            shapes = ", ".join(f"{k}{list(v.shape)}" for k, v in self.feeds.items())
-            raise InputError(
-                f"--verify-each: the input model does not run on seeded inputs ({shapes}): {_one_line(exc)}; "
-                "bind its dims with --seq-len/--cache-len/--input-shape"
-            ) from None
-
-    def after(self, p: Pass, graph: gs.Graph, changed: bool) -> None:
-        from mtkc import execute
-
-        self.pending.append(p)
-        if not changed:
-            return
-        for q in self.pending:
-            self.feeds = guarded(q, "map_feeds", q.map_feeds, self.feeds, self.ctx)
-            self.expected = guarded(q, "map_outputs", q.map_outputs, self.expected, self.ctx)
-        self.pending.clear()
-        missing = [t.name for t in graph.inputs if t.name not in self.feeds]
-        if missing:
-            raise PassError(f"pass '{p.name}' added input '{missing[0]}' but does not map feeds to it (Pass.map_feeds)")
-        try:
-            actual = execute.run(graph, {t.name: self.feeds[t.name] for t in graph.inputs}, self.ctx.root)
-        except Exception as exc:
-            raise PassError(f"pass '{p.name}': the rewritten graph does not run in onnxruntime: {_one_line(exc)}") from None
-        for name, want in self.expected.items():
-            if name not in actual:
-                raise MismatchError(f"--verify-each: pass '{p.name}' removed output '{name}' (declare Pass.map_outputs)")
-            problem = compare(actual[name], want, self.atol, self.rtol)
-            if problem:
-                raise MismatchError(f"--verify-each: pass '{p.name}' changed the numbers: output '{name}' {problem}")
-
-
-def _bound_inputs(graph: gs.Graph, ctx: Context) -> list[gs.Variable]:
-    """The graph inputs with dims bound as the `bind-shapes` pass binds them (on a copy)."""
-    copy = graph.copy()
-    bind = builtin_passes().get("bind-shapes")
-    if bind is not None:
-        instance = bind()
-        if guarded(instance, "applies", instance.applies, ctx):
-            guarded(instance, "run", instance.run, copy, ctx)
-    return [gs.Variable(t.name, t.dtype, list(t.shape or [])) for t in copy.inputs]
-
-
-def _positions_follow_cache(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Integer `position_ids` [B, T] become past + arange(T) (rewrites may tabulate RoPE for
-    exactly the positions a static graph can see), past = the cache length of `past_key*`."""
-    ids = feeds.get("position_ids")
-    if ids is None or ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-        return feeds
-    past = next((v.shape[-2] for k, v in sorted(feeds.items()) if k.startswith("past_key") and v.ndim >= 2), 0)
-    positions = past + np.arange(ids.shape[1], dtype=ids.dtype)
-    return {**feeds, "position_ids": np.broadcast_to(positions, ids.shape).copy()}
-
-
-def compare(actual: np.ndarray, expected: np.ndarray, atol: float, rtol: float) -> str:
-    """'' when equal within tolerance (exact for non-float), else what differs."""
-    actual, expected = np.asarray(actual), np.asarray(expected)
-    if actual.shape != expected.shape:
-        return f"has shape {list(actual.shape)}, expected {list(expected.shape)}"
-    if not np.issubdtype(expected.dtype, np.floating):
-        if np.array_equal(actual, expected):
-            return ""
-        return f"differs in {int(np.sum(actual != expected))} of {expected.size} values"
-    a, e = actual.astype(np.float64), expected.astype(np.float64)
-    if np.allclose(a, e, rtol=rtol, atol=atol, equal_nan=True):
-        return ""
-    err = np.abs(a - e)
-    return f"max abs error {np.nanmax(err):.3g} (atol {atol:g}, rtol {rtol:g})"
