@@ -171,6 +171,7 @@ class KvCache(Pass):
         if pasts:
             layers = _existing_cache(graph, pasts)
         else:
+            notes += _mask_first(graph, ctx)
             layers = insert_cache(graph)
             notes.append(f"no cache I/O in the export: inserted past concat in {len(layers)} attention layers")
         self.renames = _name_io(graph, layers)
@@ -240,9 +241,30 @@ def _name_io(graph: gs.Graph, layers: list[LayerCache]) -> dict[str, str]:
 
 # ---------------------------------------------------------------------------- no-cache exports
 
+# A no-cache export's 2-D mask, kept where exporters read the sequence length from its shape
+# (dynamo, hf); renamed so that shape binding keeps it [1, T] (it is not the [1, C+T] mask).
+NEW_TOKEN_MASK = "new_token_mask"
+PROBE_SEQ = 97  # a sequence length no model dimension is likely to equal
 _LAYOUT = {"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Identity", "Cast", "Tile"}
 _SCORE_PATH = {"Add", "Where", "Mul", "Div", "Cast", "Sub"}
 _PROB_PATH = {"Cast", "Where", "IsNaN", "Identity"}
+
+
+def _mask_first(graph: gs.Graph, ctx: Context) -> list[str]:
+    """No-cache export: the mask pass runs now, while the mask is still [B,1,T,T]-consistent.
+
+    Its additive `attention_mask` input is [1,1,T,C+T] from the start; the 2-D mask, when the
+    export still reads its length as the sequence length, becomes `new_token_mask` [1, T].
+    """
+    from mtkc.passes.mask import Mask
+
+    result = Mask().run(graph, ctx)
+    ids = next((t for t in graph.inputs if t.name in ("input_ids", "hidden_states")), None)
+    for t in graph.inputs:
+        if t.name.startswith("attention_mask") and t.shape is not None and len(t.shape) == 2:
+            t.name = NEW_TOKEN_MASK
+            t.shape = [1, ids.shape[1] if ids is not None and ids.shape else "sequence_length"]
+    return [f"mask: {m.node}: {m.reason}" for m in result.misses]
 
 
 def insert_cache(graph: gs.Graph) -> list[LayerCache]:
@@ -253,6 +275,9 @@ def insert_cache(graph: gs.Graph) -> list[LayerCache]:
         Expand, Unsqueeze -- repeat_kv --, Mul by a constant scale) to the first other producer
         (RoPE's Add for K) or to the head split Transpose(0,2,1,3) (V): [B, Hkv, S, D].
 
+    Reshape/Expand targets between the concat and the MatMul (repeat_kv, Kᵀ) are rewritten to
+    constants with the KV length free (-1 / broadcast 1): exporters compute them from the
+    *query* length (dynamo, hf), which no longer equals the KV length.
     Positions: a no-cache export counts them from 0 (Range); the Range feeding cos/sin is
     replaced by a new `position_ids` input, so decode rows get their real position.
     """
@@ -289,23 +314,41 @@ def insert_cache(graph: gs.Graph) -> list[LayerCache]:
                             node.inputs[j] = full
             graph.nodes.append(concat)
             graph.inputs.append(past)
+            _free_kv_length(full, probe, names)
             layer.past[kind], layer.concat[kind] = past, concat
         layers.append(layer)
     _position_input(graph, names, probe)
-    for t in graph.inputs:  # the 2-D mask now spans past + new tokens
-        if t.name == "attention_mask" and t.shape is not None and len(t.shape) == 2:
-            t.shape = [t.shape[0], "total_sequence_length"]
     return layers
 
 
 def _probe_shapes(graph: gs.Graph) -> dict[str, list]:
-    """Tensor shapes with every symbolic input dim set to 1 (batch) or 3 (the rest): static
-    Hkv and D even where symbolic inference leaves them unknown (TorchScript's runtime reshapes)."""
+    """Tensor shapes with every symbolic input dim set to 1 (batch) or PROBE_SEQ (the rest):
+    static Hkv and D where symbolic inference leaves them unknown (TorchScript's runtime
+    reshapes), and the sequence axis recognisable by its value."""
     probe = graph.copy()
     for t in probe.inputs:
-        t.shape = [d if isinstance(d, int) else (1 if axis == 0 else 3) for axis, d in enumerate(t.shape or [])]
+        t.shape = [d if isinstance(d, int) else (1 if axis == 0 else PROBE_SEQ) for axis, d in enumerate(t.shape or [])]
+        if t.name == "attention_mask" and len(t.shape) == 4:  # additive, no past yet: [1, 1, S, S]
+            t.shape = [1, 1, PROBE_SEQ, PROBE_SEQ]
     shapes.infer(probe)
     return {name: t.shape for name, t in probe.tensors().items()}
+
+
+def _free_kv_length(full: gs.Variable, probe: dict[str, list], names: NodeNames) -> None:
+    """Make every Reshape/Expand from the cache concat to the attention MatMul length-agnostic."""
+    frontier = list(full.outputs)
+    while frontier:
+        node = frontier.pop()
+        if node.op == "MatMul" or node.op not in _LAYOUT | {"Mul", "Div"}:
+            continue
+        out = probe.get(node.outputs[0].name)
+        if node.op in ("Reshape", "Expand") and out is not None and all(isinstance(d, int) for d in out):
+            if out.count(PROBE_SEQ) != 1:
+                raise InputError(f"{node.name}: cannot tell the sequence axis of its output shape {out}")
+            dims = [(-1 if node.op == "Reshape" else 1) if d == PROBE_SEQ else d for d in out]
+            node.inputs[1] = gs.Constant(names.new(f"{node.name}/kv_shape"), np.array(dims, np.int64))
+            node.attrs.pop("allowzero", None)
+        frontier += node.outputs[0].outputs
 
 
 def _find(tensor: gs.Tensor, through: set[str], up: bool, depth: int = 6) -> gs.Node | None:
@@ -369,7 +412,7 @@ def _position_input(graph: gs.Graph, names: NodeNames, probe: dict[str, list]) -
         return
     rotary = {id(n) for n in trig}
     for node in reversed(graph.nodes):
-        if id(node) in ancestors and all(id(c) in rotary for t in node.outputs for c in t.outputs):
+        if id(node) in ancestors and node.op != "Range" and all(id(c) in rotary for t in node.outputs for c in t.outputs):
             rotary.add(id(node))
     positions = gs.Variable("position_ids", np.int64, ["batch_size", "sequence_length"])
     flat = None
@@ -431,6 +474,7 @@ class KvCacheIo(Pass):
                 name = f"present_{kind}_{layer.index}"
                 concat = layer.concat[kind]
                 full = concat.outputs[0]
+                _, hkv, _, d = layer.past[kind].shape
                 if outputs.get(name) is not full:
                     continue  # already rewritten, or a chunk without this layer
                 full.name = f"kv_{kind}_{layer.index}"
@@ -439,7 +483,7 @@ class KvCacheIo(Pass):
                     if present in graph.inputs or isinstance(present, gs.Constant):
                         raise InputError(f"{full.name}: the new {kind} entries are not computed by the graph")
                 else:
-                    present = gs.Variable(name, np.float32, [1, full.shape[1], c, full.shape[3]])
+                    present = gs.Variable(name, np.float32, [1, hkv, c, d])
                     graph.nodes.append(gs.Node(
                         "Slice", names.new(f"kv_cache/slide_{kind}_{layer.index}"),
                         inputs=[full] + [gs.Constant(names.new(f"kv_cache/{n}_{kind}_{layer.index}"),
@@ -448,9 +492,10 @@ class KvCacheIo(Pass):
                         outputs=[present]))
                 present.name = name
                 present.dtype = np.float32
-                present.shape = [1, full.shape[1], t if mode == "new" else c, full.shape[3]]
+                present.shape = [1, hkv, t if mode == "new" else c, d]
                 graph.outputs[graph.outputs.index(outputs[name])] = present
                 rewrites += 1
+        graph.cleanup(remove_unused_graph_inputs=True)  # e.g. new_token_mask once its Shape folded
         return PassResult(rewrites=rewrites)
 
     def map_outputs(self, outputs, ctx):
