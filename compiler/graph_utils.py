@@ -159,3 +159,93 @@ def add_node(graph: gs.Graph, names: Names, origin: gs.Node | str, op: str, inpu
     out = gs.Variable(names.new(f"{name}:0"), dtype=dtype, shape=shape)
     graph.nodes.append(gs.Node(op, name=name, attrs=dict(attrs or {}), inputs=list(inputs), outputs=[out]))
     return out
+
+
+# --- linear-time toposort / cleanup (graphsurgeon's results, without its per-node overhead) -----
+
+
+def _plain(graph: gs.Graph) -> bool:
+    """No functions and no node with a subgraph attribute: the fast paths below apply."""
+    return not graph.functions and not any(isinstance(v, gs.Graph) for n in graph.nodes for v in n.attrs.values())
+
+
+def topo_order(graph: gs.Graph) -> list[gs.Node]:
+    """The node order `Graph.toposort()` gives (depth from the inputs, ties in graphsurgeon's
+    first-visit order), computed in linear time; the graph is not changed.
+
+    Producers outside `graph.nodes` are ignored. Raises graphsurgeon's exception on a cycle.
+    """
+    from onnx_graphsurgeon.util.exception import OnnxGraphSurgeonException
+
+    members = {id(n) for n in graph.nodes}
+
+    def producers(node: gs.Node):
+        for t in node.inputs:
+            for p in t.inputs:
+                if id(p) in members:
+                    yield p
+
+    level: dict[int, int] = {}
+    visited: list[gs.Node] = []  # post-order: graphsurgeon's insertion order
+    for root in graph.nodes:
+        if id(root) in level:
+            continue
+        stack = [(root, producers(root), [-1])]
+        on_path = {id(root)}
+        while stack:
+            node, pending, deepest = stack[-1]
+            for p in pending:
+                if id(p) in level:
+                    deepest[0] = max(deepest[0], level[id(p)])
+                    continue
+                if id(p) in on_path:
+                    raise OnnxGraphSurgeonException("Cycle detected in graph! Are there tensors with duplicate names in the graph?")
+                on_path.add(id(p))
+                stack.append((p, producers(p), [-1]))
+                break
+            else:
+                stack.pop()
+                on_path.discard(id(node))
+                level[id(node)] = deepest[0] + 1
+                visited.append(node)
+                if stack:
+                    parent = stack[-1][2]
+                    parent[0] = max(parent[0], level[id(node)])
+    return sorted(visited, key=lambda n: level[id(n)])
+
+
+def toposort(graph: gs.Graph) -> gs.Graph:
+    """`graph.toposort()` in linear time (graphsurgeon's own for graphs with subgraphs/functions)."""
+    if not _plain(graph):
+        return graph.toposort()
+    graph.nodes = topo_order(graph)
+    return graph
+
+
+def cleanup(graph: gs.Graph) -> gs.Graph:
+    """`graph.cleanup()` (default arguments) in linear time: drop nodes no graph output depends
+    on, clearing their inputs/outputs; graph inputs lose their producers; I/O lists untouched."""
+    if not _plain(graph):
+        return graph.cleanup()
+    for t in graph.inputs:
+        t.inputs.clear()
+    members = {id(n) for n in graph.nodes}
+    used: set[int] = set()
+    seen: set[int] = set()
+    stack = [t for t in graph.outputs]
+    while stack:
+        t = stack.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        for p in t.inputs:
+            if id(p) in members and id(p) not in used:
+                used.add(id(p))
+                stack.extend(p.inputs)
+    dead = [n for n in graph.nodes if id(n) not in used]
+    for node in dead:
+        node.inputs.clear()
+        node.outputs.clear()
+    if dead:
+        graph.nodes = [n for n in graph.nodes if id(n) in used]
+    return graph

@@ -19,14 +19,14 @@ from numbers import Integral
 import onnx_graphsurgeon as gs
 
 from mtkc.errors import MtkcError, PassError
-from mtkc.graph_utils import Names
+from mtkc.graph_utils import Names, cleanup, toposort
 
 
 def restore(graph: gs.Graph, pass_name: str | None = None, error: type[MtkcError] = PassError) -> None:
     """Cleanup, cycle check, toposort and node naming after a pass (None: the input model)."""
-    graph.cleanup()
+    cleanup(graph)
     _check_acyclic(graph, _stage(pass_name), error)
-    graph.toposort()
+    toposort(graph)
     name_nodes(graph, pass_name)
 
 

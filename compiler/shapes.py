@@ -15,6 +15,7 @@ from pathlib import Path
 
 import onnx
 import onnx_graphsurgeon as gs
+from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx
 from onnx_graphsurgeon.importers.onnx_importer import get_onnx_tensor_dtype, get_onnx_tensor_shape
 
 from mtkc import graph_utils as gu
@@ -39,46 +40,69 @@ def infer(graph: gs.Graph, root: Path | None = None) -> None:
 
 
 def stripped_proto(graph: gs.Graph, root: Path | None = None) -> onnx.ModelProto:
-    """A ModelProto of `graph` with big constants as typed inputs and ONNX-domain outputs untyped."""
-    copy = graph.copy()
-    extra_inputs = []
-    for tensor in copy.tensors().values():
-        if isinstance(tensor, gs.Constant) and not _inline(tensor):
-            tensor.to_variable(dtype=tensor._values.dtype, shape=list(tensor.shape))
-            tensor.type = "tensor_type"
-            extra_inputs.append(tensor)
-    kept = []
-    for node in copy.nodes:
-        if node.op == "Constant" and _is_onnx(node) and isinstance(node.attrs.get("value"), gs.Constant):
-            value = node.attrs["value"]
-            if not _inline(value):
-                out = node.outputs[0]
-                out.dtype, out.shape = value._values.dtype, list(value.shape)
-                node.outputs.clear()
-                extra_inputs.append(out)
-                continue
-            if gu.is_lazy(value) and value._values.tensor.data_location == onnx.TensorProto.EXTERNAL:
-                from mtkc.model import read_values
+    """A ModelProto of `graph` with big constants as typed inputs and ONNX-domain outputs untyped.
 
-                if root is None:  # cannot read it: keep its type only
-                    out = node.outputs[0]
-                    out.dtype, out.shape = value._values.dtype, list(value.shape)
-                    node.outputs.clear()
-                    extra_inputs.append(out)
-                    continue
-                node.attrs["value"] = gs.Constant(value.name, read_values(value, root))
-        kept.append(node)
-        if _has_schema(node, copy.opset):
-            for out in node.outputs:
-                out.dtype, out.shape = None, None
-    copy.nodes = kept
-    copy.inputs = [*copy.inputs, *extra_inputs]
-    copy.toposort()  # ONNX inference is one forward sweep in node order
-    io = {t.name for t in copy.inputs}
-    for out in copy.outputs:
-        if out.name not in io and isinstance(out, gs.Variable) and out.inputs and _has_schema(out.inputs[0], copy.opset):
-            out.dtype, out.shape = None, None
-    return gs.export_onnx(copy, do_type_check=False)
+    Built node by node from `graph` (no copy of the graph; nothing in it changes), in
+    topological order: ONNX inference is one forward sweep in node order.
+    """
+    io = {t.name for t in graph.inputs}
+    inputs = [OnnxExporter.export_value_info_proto(t, False) for t in graph.inputs]
+    initializers, nodes, value_info = [], [], []
+    done = set(io)
+
+    def typed_input(name: str, const: gs.Constant) -> None:
+        inputs.append(onnx.helper.make_tensor_value_info(name, dtype_to_onnx(const._values.dtype), list(const.shape)))
+        done.add(name)
+
+    def constant(t: gs.Constant) -> None:
+        if t.name in done or not t.name:
+            return
+        if _inline(t):
+            initializers.append(OnnxExporter.export_tensor_proto(t))
+            done.add(t.name)
+        else:
+            typed_input(t.name, t)
+
+    for node in gu.topo_order(graph):
+        value = node.attrs.get("value")
+        if node.op == "Constant" and _is_onnx(node) and isinstance(value, gs.Constant) and not _inline(value):
+            if node.outputs:
+                typed_input(node.outputs[0].name, value)
+            continue
+        for t in node.inputs:
+            if isinstance(t, gs.Constant):
+                constant(t)
+        nodes.append(OnnxExporter.export_node(node))
+        if not _has_schema(node, graph.opset):
+            value_info += [OnnxExporter.export_value_info_proto(t, False) for t in node.outputs
+                           if isinstance(t, gs.Variable) and t.name and (t.dtype is not None or t.shape is not None)]
+    outputs = []
+    for out in graph.outputs:
+        if isinstance(out, gs.Constant):
+            constant(out)
+        if out.name not in io and isinstance(out, gs.Variable) and out.inputs and _has_schema(out.inputs[0], graph.opset):
+            outputs.append(onnx.helper.make_empty_tensor_value_info(out.name))
+        else:
+            outputs.append(OnnxExporter.export_value_info_proto(out, False))
+    names = {vi.name for vi in outputs}
+    value_info = [vi for vi in value_info if vi.name not in names]
+    proto = onnx.helper.make_model(
+        onnx.helper.make_graph(nodes, graph.name, inputs, outputs, initializers, value_info=value_info),
+        opset_imports=_opset_imports(graph),
+    )
+    if graph.ir_version is not None:
+        proto.ir_version = graph.ir_version
+    return proto
+
+
+def _opset_imports(graph: gs.Graph) -> list:
+    """graphsurgeon's opset imports (its `update_import_domains`), without changing `graph`."""
+    imports = list(graph.import_domains or [onnx.helper.make_opsetid("", graph.opset)])
+    known = {o.domain for o in imports}
+    used = {n.domain for n in graph.nodes} | {n.domain for g in graph.subgraphs(recursive=True) for n in g.nodes}
+    for domain in sorted(d for d in used - known if d is not None):
+        imports.append(onnx.helper.make_opsetid(domain, 1))
+    return imports
 
 
 def _inline(t: gs.Constant) -> bool:

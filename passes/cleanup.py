@@ -57,7 +57,7 @@ class Cleanup(Pass):
             n = remove_noops(graph, ctx) + merge_pairs(graph, ctx) + dedupe_constants(graph, ctx) + cse(graph)
             detached = sum(1 for node in graph.nodes if not node.outputs)
             before = len(graph.nodes)
-            graph.cleanup().toposort()
+            gu.toposort(gu.cleanup(graph))
             n += before - len(graph.nodes) - detached  # dead nodes
             if n == 0:
                 break
@@ -190,7 +190,7 @@ def _constant_key(t: gs.Constant) -> tuple | None:
 
 def cse(graph: gs.Graph) -> int:
     """Nodes with the same op, domain, attributes and input tensors: keep the first."""
-    graph.toposort()
+    gu.toposort(graph)
     seen: dict[tuple, gs.Node] = {}
     n = 0
     outputs = {id(t) for t in graph.outputs}

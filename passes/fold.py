@@ -50,7 +50,7 @@ class Fold(Pass):
                 result.misses = misses
                 break
             result.rewrites += n
-            graph.cleanup()
+            gu.cleanup(graph)
             shapes.infer(graph, ctx.root)
         return result
 
@@ -115,7 +115,7 @@ def fold_shapes(graph: gs.Graph, misses: list[Miss]) -> int:
 
 def fold_subgraphs(graph: gs.Graph, ctx: Context, misses: list[Miss]) -> int:
     """Every node whose inputs are all constant (or folded) and whose outputs fit the policy."""
-    graph.toposort()
+    gu.toposort(graph)
     outputs = {t.name for t in graph.outputs}
     known: set[str] = set()
     foldable: list[gs.Node] = []
