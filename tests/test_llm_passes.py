@@ -321,3 +321,13 @@ def test_group_query_attention_is_rewritten():
     got, want = run(graph, feeds), run(before, feeds)
     for name in ("y", "present_k", "present_v"):
         np.testing.assert_allclose(got[name], want[name], atol=1e-5, rtol=0)
+
+
+def test_explain_lists_refused_sites_on_the_cli(exported, run_cli, tmp_path):
+    path = exported("qwen2", "dynamo", False)  # no shapes bound: positions come from a Range
+    code, out, err = run_cli("compile", path, "--sdk", "6.0", "-o", tmp_path / "out", "--no-convert",
+                             "--passes", "rope,rmsnorm", "--explain", "rope")
+    assert code == 0, err
+    text = out + err
+    assert "rope: 4 rewrites, 2 misses" in text
+    assert text.count("table size unknown: give --seq-len (and --cache-len) or the max_positions option") == 2
