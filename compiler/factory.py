@@ -32,7 +32,9 @@ total_sequence_length. Trace shapes are deliberately unequal (batch 2, seq 7, pa
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 import warnings
 from pathlib import Path
 
@@ -122,16 +124,16 @@ def reference_generate(model, prompt_ids, max_new_tokens: int = 32) -> list[int]
 
 
 def reference_logits(model, input_ids, attention_mask=None, past=None, position_ids=None):
-    """Torch logits (and presents when `past` is given: flat key/value numpy list) for a feed."""
+    """Torch outputs for one feed in export order: logits, or [logits, *presents] when `past`
+    (the flat key/value list) is given. Arrays in, numpy out; the mask defaults to all ones."""
     import torch
 
-    wrapper = wrap(model, past is not None)
-    args = [torch.as_tensor(input_ids), torch.as_tensor(attention_mask if attention_mask is not None
-                                                        else [[1] * len(input_ids[0])] * len(input_ids))]
+    ids = torch.as_tensor(input_ids)
+    args = [ids, torch.ones_like(ids) if attention_mask is None else torch.as_tensor(attention_mask)]
     if past is not None:
-        args += [torch.as_tensor(position_ids)] + [torch.as_tensor(p) for p in past]
+        args += [torch.as_tensor(position_ids), *map(torch.as_tensor, past)]
     with torch.no_grad():
-        out = wrapper(*args)
+        out = wrap(model, past is not None)(*args)
     return [t.numpy() for t in out] if past is not None else out.numpy()
 
 
@@ -273,7 +275,7 @@ def _export_dynamo(model, path: Path, cache: bool) -> None:
     inputs, outputs = io_names(model.config.num_hidden_layers, cache)
     with torch.no_grad():
         torch.onnx.export(wrap(model, cache), trace_inputs(model.config, cache), str(path), dynamo=True,
-                          external_data=True, dynamic_shapes=shapes, input_names=inputs, output_names=outputs)
+                          external_data=True, verbose=False, dynamic_shapes=shapes, input_names=inputs, output_names=outputs)
 
 
 def _export_hf(model, out_dir: Path, cache: bool, ort_fusions: str | None) -> None:
@@ -290,7 +292,7 @@ def _export_hf(model, out_dir: Path, cache: bool, ort_fusions: str | None) -> No
         sample["cache"] = DynamicCache([(past[i], past[i + 1]) for i in range(0, len(past), 2)], config=model.config)
     else:
         sample["use_cache"] = False
-    with torch.no_grad():
+    with torch.no_grad(), contextlib.redirect_stdout(sys.stderr):  # torch.onnx progress lines
         program = OnnxExporter().export(model, sample, config=OnnxConfig(dynamic=True, ort_fusions=ort_fusions))
     program.save_pretrained(out_dir)
 
