@@ -123,12 +123,12 @@ def check(model_path, sdk: str, arch: str | None = None, seq_len: int | None = N
                          assessment=assessment, unbound=unbound)
     if compiled:
         from mtkc.compile import compiled_coverage
-        from mtkc.errors import PassError
+        from mtkc.errors import MtkcError
 
         try:
             watch = [n for g in assessment.groups for n in g.nodes]
             report.coverage_compiled, report.rewritten_by = compiled_coverage(model_path, table, options, watch)
-        except PassError as exc:  # check still reports the raw verdicts
+        except MtkcError as exc:  # check still reports the raw verdicts
             log.warning("mtkc: coverage after passes unavailable: %s", exc)
     return report
 
