@@ -496,6 +496,7 @@ class KvCacheIo(Pass):
                 graph.outputs[graph.outputs.index(outputs[name])] = present
                 rewrites += 1
         graph.cleanup(remove_unused_graph_inputs=True)  # e.g. new_token_mask once its Shape folded
+        contract_order(graph)
         return PassResult(rewrites=rewrites)
 
     def map_outputs(self, outputs, ctx):
@@ -541,15 +542,36 @@ class LayerChunks(Pass):
             outputs.insert(0, next(o for o in graph.outputs if o.name == "logits"))
         if first > 0:
             cut = bounds[first]
+            for x in graph.inputs:
+                if x.name == "hidden_states":  # chunk 0's input (host embedding): dead here
+                    x.name = "hidden_states/embedded"
             hidden = gs.Variable("hidden_states", cut.dtype or np.float32, cut.shape)
             for node in list(cut.outputs):
                 for j, x in enumerate(node.inputs):
                     if x is cut:
                         node.inputs[j] = hidden
-            graph.inputs = [hidden] + [x for x in graph.inputs if x.name != "hidden_states"]
+            graph.inputs = [hidden] + [x for x in graph.inputs if x.name != "hidden_states/embedded"]
         graph.outputs = outputs
         graph.cleanup(remove_unused_graph_inputs=True)
+        contract_order(graph)
         return PassResult(rewrites=1, notes=[f"chunk {k}/{n}: layers {first}..{last - 1}"])
+
+
+_IO_ORDER = ("input_ids", "hidden_states", "attention_mask", "position_ids", "pos_emb", "logits", "hidden_states_out")
+_CACHE_NAME = re.compile(r"^(?:past|present)_(key|value)_(\d+)$")
+
+
+def contract_order(graph: gs.Graph) -> None:
+    """Graph I/O in contract order: tokens/hidden, mask, positions, then per layer key, value."""
+
+    def key(t: gs.Tensor):
+        if t.name in _IO_ORDER:
+            return (0, _IO_ORDER.index(t.name), 0)
+        m = _CACHE_NAME.match(t.name)
+        return (1, int(m[2]), KINDS.index(m[1])) if m else (2, 0, 0)
+
+    graph.inputs = sorted(graph.inputs, key=key)
+    graph.outputs = sorted(graph.outputs, key=key)
 
 
 def layer_boundaries(graph: gs.Graph, layers: list[LayerCache]) -> dict[int, gs.Variable]:
