@@ -88,20 +88,24 @@ def load_registry(plugins: list[str] | tuple[str, ...] = ()) -> Registry:
 
 @functools.cache
 def builtin_passes() -> dict[str, type[Pass]]:
-    """Import every module of `mtkc.passes` (name order); returns the built-in registry."""
+    """Import every module of `mtkc.passes` (name order); its passes, in module then definition order."""
     import mtkc.passes
 
-    for info in sorted(pkgutil.iter_modules(mtkc.passes.__path__), key=lambda m: m.name):
-        if info.name == "pipelines":
-            continue
-        module = f"mtkc.passes.{info.name}"
+    modules = [
+        f"mtkc.passes.{info.name}"
+        for info in sorted(pkgutil.iter_modules(mtkc.passes.__path__), key=lambda m: m.name)
+        if info.name != "pipelines"
+    ]
+    for module in modules:
         try:
             importlib.import_module(module)
         except MtkcError:
             raise
         except Exception as exc:
             raise PassError(f"built-in pass module {module} failed to import: {one_line(exc)}") from None
-    return dict(REGISTRY)
+    rank = {module: i for i, module in enumerate(modules)}
+    builtins = [(name, cls) for name, cls in REGISTRY.items() if cls.__module__ in rank]
+    return dict(sorted(builtins, key=lambda item: rank[item[1].__module__]))
 
 
 @functools.cache
