@@ -39,7 +39,8 @@ def run(args) -> int:
 
 
 def list_passes(sdk: str | None, options: dict) -> tuple[list[dict], list[str] | None]:
-    """One row per pass: name, origin, description, applies (None without an SDK), default."""
+    """One row per pass: name, origin, description, applies (None without an SDK), default (named
+    in the SDK's default pipeline, or an enabled plugin); and the effective pipeline (with an SDK)."""
     from mtkc.pass_api import Context
     from mtkc.pass_manager import guarded, load_registry, resolve_pipeline
     from mtkc.passes.pipelines import default_pipeline
@@ -60,7 +61,7 @@ def list_passes(sdk: str | None, options: dict) -> tuple[list[dict], list[str] |
             "origin": cls.origin,
             "description": cls.description,
             "applies": None if ctx is None else bool(guarded(cls, "applies", lambda: cls().applies(ctx))),
-            "default": name in (pipeline if pipeline is not None else defaults),
+            "default": name in defaults,
         })
     return rows, pipeline
 
