@@ -152,22 +152,24 @@ PASSES = ["bind-shapes", "fold", "cleanup", "mask", "rope", "rmsnorm", "swiglu",
 
 
 def test_compile_cli_standin_sees_legal_partitions_and_failure_exits_3(exported, run_cli, tmp_path):
-    """Every NPU partition passes the stand-in's contract checks except the two holding the
-    injected failure (Softmax); the error names the first of them and its node."""
+    """Every NPU partition passes the stand-in's contract checks except those holding the injected
+    failure (Softmax); the error names the first of them and its node. Transposes are forced to
+    the CPU so the graph has several NPU partitions whatever the table supports."""
     model = exported("qwen2", "legacy17")
     out = tmp_path / "out"
-    code, _, err = run_cli("compile", model, "--sdk", "8.0", "--seq-len", "8", "--passes", ",".join(PASSES),
-                           "-o", out, "--converter-cmd", f"{STANDIN_CMD} --reject-op Softmax")
+    code, _, err = run_cli("compile", model, "--sdk", "8.0", "--seq-len", "8", "--passes", ",".join(PASSES), "-o", out,
+                           "--force-cpu", "op:Transpose", "--converter-cmd", f"{STANDIN_CMD} --reject-op Softmax")
     assert code == 3, err
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["model"]["path"] == str(model.resolve()) and manifest["converter"]["ran"]
     results = manifest["converter"]["partitions"]
     npu = [p for p in manifest["graphs"][0]["partitions"] if p["target"] == "npu"]
     assert [r["id"] for r in results] == [p["id"] for p in npu] and len(npu) > 4
-    softmax = {n for p in npu for n in p["nodes"] if n.endswith("Softmax")}
+    with_softmax = {p["id"]: {n for n in p["nodes"] if n.endswith("Softmax")} for p in npu}
+    with_softmax = {k: v for k, v in with_softmax.items() if v}
     failed = [r for r in results if r["exit_code"]]
-    assert len(softmax) == 2 and len(failed) == 2
-    assert all(r["blame"]["method"] == "log-node" and set(r["blame"]["nodes"]) <= softmax for r in failed)
+    assert [r["id"] for r in failed] == list(with_softmax) and len(failed) == 2
+    assert all(r["blame"]["method"] == "log-node" and set(r["blame"]["nodes"]) == with_softmax[r["id"]] for r in failed)
     assert all(r["exit_code"] == 0 and (out / r["output"]).is_file() for r in results if r not in failed)
     first = failed[0]
     assert f"converter failed on partition model/{first['id']} (exit 1) at node '{first['blame']['nodes'][0]}'" in err
