@@ -95,10 +95,13 @@ def cut(graph: gs.Graph, parts: list[Partition], placements: dict[str, Placement
     pieces = []
     for part, (inputs, outputs) in zip(parts, boundaries(graph, parts)):
         for t in inputs + outputs:
+            made = f" (made by {t.inputs[0].op} node '{t.inputs[0].name}')" if t.inputs else ""
             if t.dtype is None:
-                raise PassError(f"partition {graph_name}/{part.id}: boundary tensor '{t.name}' has no dtype")
+                raise PassError(f"partition {graph_name}/{part.id}: boundary tensor '{t.name}'{made} has no dtype "
+                                "(shape inference could not type it)")
             if part.target == NPU and not _static(t):
-                raise PassError(f"partition {graph_name}/{part.id}: boundary tensor '{t.name}' has no static shape {t.shape}")
+                raise PassError(f"partition {graph_name}/{part.id}: boundary tensor '{t.name}'{made} has no static "
+                                f"shape {t.shape}")
         sub = gs.Graph(
             nodes=list(part.nodes),
             inputs=inputs,
