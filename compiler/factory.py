@@ -38,7 +38,6 @@ import sys
 import warnings
 from pathlib import Path
 
-VERSION = "1"  # bump when models or exports change; keys the test export cache
 FAMILIES = ("qwen2", "llama")
 SIZES = ("tiny", "0.5b", "1.5b")
 EXPORTERS = ("legacy14", "legacy17", "dynamo", "hf", "hf-ortfused", "dynamo-ortfused", "ortopt")

@@ -1,7 +1,7 @@
 """Shared fixtures: random-weight tiny models, their exports (cached on disk), and a CLI runner.
 
-Exports are cached under the pytest cache dir, keyed by the factory version and the
-torch/transformers/onnxscript versions, so repeated sessions reuse them. Each variant is
+Exports are cached under the pytest cache dir, keyed by a hash of the factory source and the
+torch/transformers/onnxscript/onnxruntime versions, so repeated sessions reuse them. Each variant is
 exported once: a per-variant file lock serialises concurrent test processes, and the export is
 written to a temporary folder and renamed into place, so a reader never sees half a model.
 """
@@ -9,6 +9,7 @@ written to a temporary folder and renamed into place, so a reader never sees hal
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import shutil
 import subprocess
 import sys
@@ -24,8 +25,9 @@ SEED = 0
 def _export_root(config) -> Path:
     from mtkc import factory
 
-    versions = "-".join(metadata.version(p) for p in ("torch", "transformers", "onnxscript"))
-    key = f"v{factory.VERSION}-{versions}".replace("+", "_")
+    source = hashlib.sha256(Path(factory.__file__).read_bytes()).hexdigest()[:12]
+    versions = "-".join(metadata.version(p) for p in ("torch", "transformers", "onnxscript", "onnxruntime"))
+    key = f"{source}-{versions}".replace("+", "_")
     root = Path(config.cache.mkdir("mtkc-exports")) / key
     root.mkdir(parents=True, exist_ok=True)
     return root
