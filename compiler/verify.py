@@ -165,22 +165,22 @@ def compare(actual: np.ndarray, expected: np.ndarray, atol: float, rtol: float) 
 
 @dataclass
 class Host:
-    """Host-side inputs a runtime computes (manifest `host.embedding`, `options.rope`, `options.mask_value`)."""
+    """Host-side tables a runtime feeds from (manifest `host`: `embedding` [V,H], `rope` [2,P,D])."""
 
     embedding: np.ndarray | None = None
-    rope: dict | None = None
+    rope: np.ndarray | None = None
     mask_value: float = MASK_MIN
 
     @classmethod
     def from_manifest(cls, manifest: dict, out: Path) -> "Host":
-        options = manifest.get("options") or {}
-        entry = (manifest.get("host") or {}).get("embedding")
-        embedding = None
-        if entry:
-            path = Path(out) / (entry["path"] if isinstance(entry, dict) else entry)
-            embedding = (np.load(path, mmap_mode="r") if path.suffix == ".npy" else
-                         np.memmap(path, np.dtype(entry.get("dtype", "float32")), "r", shape=tuple(entry["shape"])))
-        return cls(embedding, options.get("rope"), float(options.get("mask_value") or MASK_MIN))
+        tables = {}
+        for name, entry in (manifest.get("host") or {}).items():
+            path = Path(out) / entry["path"]
+            if not path.is_file():
+                raise InputError(f"{path}: host table '{name}' listed in the manifest is missing")
+            tables[name] = np.load(path, mmap_mode="r", allow_pickle=False)
+        mask_value = (manifest.get("options") or {}).get("mask_value")
+        return cls(tables.get("embedding"), tables.get("rope"), float(mask_value) if mask_value is not None else MASK_MIN)
 
 
 def build_feeds(original_inputs, compiled_inputs: list[dict], vocab: int, seed: int,
@@ -250,7 +250,7 @@ def build_feeds(original_inputs, compiled_inputs: list[dict], vocab: int, seed: 
         elif name == "hidden_states" and host.embedding is not None:
             compiled[name] = np.asarray(host.embedding[ids[0]], dtype)[None].reshape(shape)
         elif name == "pos_emb" and host.rope is not None:
-            compiled[name] = pos_emb(positions, shape[-1], host.rope).astype(dtype).reshape(shape)
+            compiled[name] = np.asarray(host.rope[:, positions], dtype)[None].reshape(shape)
         else:
             raise InputError(f"verify: no rule builds compiled input '{name}' {shape} from the original model's inputs")
     return original, compiled
@@ -262,15 +262,6 @@ def causal_mask(seq: int, total: int, dtype, value: float = MASK_MIN, hidden: in
     cols = np.arange(total)[None, :]
     allowed = (cols <= cache + np.arange(seq)[:, None]) & (cols >= hidden)
     return np.where(allowed, 0.0, value).astype(dtype)[None, None]
-
-
-def pos_emb(positions: np.ndarray, head_dim: int, rope: dict) -> np.ndarray:
-    """cos/sin [1,2,T,D] (rotate-half layout) for `positions`, as the host runtime feeds them."""
-    from types import SimpleNamespace
-
-    from mtkc.generate import Generator
-
-    return Generator._pos_emb(SimpleNamespace(rope=rope), positions, head_dim)
 
 
 def match_output(name: str, original_names: list[str]) -> str | None:

@@ -107,10 +107,12 @@ def test_causal_mask_and_feeds_mapping():
 
 
 def test_verify_prefill_and_decode_graphs(exported, tmp_path):
-    """KV-cache compile (default pipeline): prefill T=4 and decode T=1, host embedding, new-entry presents."""
+    """KV-cache compile (default pipeline): prefill T=4 and decode T=1; host tables feed hidden_states
+    and pos_emb; presents are the new entries only."""
     out = tmp_path / "out"
-    compile_model(exported("qwen2", "legacy17", cache=True), "8.0", out,
-                  {"seq_len": 4, "cache_len": 8, "kv_cache": True, "no_convert": True})
+    result = compile_model(exported("qwen2", "legacy17", cache=True), "8.0", out,
+                           {"seq_len": 4, "cache_len": 8, "kv_cache": True, "rope_mode": "pos_emb", "no_convert": True})
+    assert {"hidden_states", "pos_emb", "attention_mask", "past_key_0"} <= {i["name"] for i in result.manifest["graphs"][0]["inputs"]}
     result = V.verify(out, samples=1)
     assert result.ok, V.format_text(result)
     checked = {(c.graph, c.pipeline, c.output) for c in result.checks}
