@@ -3,17 +3,19 @@
 For every graph in the manifest, two pipelines run on the same seeded inputs: the partitions
 wired by the manifest (what the device will run, NPU pieces included) and the whole rewritten
 graph (`graphs[].path`). Each is compared with the original model per output: max abs error,
-max rel error, cosine similarity.
+max rel error, cosine similarity. The original is `manifest.model.path` (absolute) or `--model`.
 
 The compiled graph's inputs may differ from the original's (DESIGN contract). Feeds are built
 for the original first (token ids inside the vocabulary, all-ones mask, positions C..C+T-1,
-random past K/V), then mapped onto the compiled inputs:
+random past K/V; symbolic dims unified with the compiled shapes), then mapped onto the
+compiled inputs:
 
     original                       compiled
-    input_ids int64 [1,T]       -> input_ids (cast)
-    attention_mask [1,C+T] ones -> attention_mask additive float [1,1,T,C+T] (causal, 0 / MASK_MIN)
-    position_ids (or implied)   -> position_ids (cast)
-    past_key_values.i.key       -> past_key_i  (and value)
+    input_ids int64 [1,T]       -> input_ids (cast) | hidden_states = host embedding[ids]
+    attention_mask [1,C+T] ones -> attention_mask additive float [1,1,T,C+T] (causal, 0 / mask value)
+    position_ids (or implied)   -> position_ids (cast) | pos_emb = host rope[:, positions]
+    past_key_values.i.key       -> past_key_i  (and value; hf `input.cache.layers.i.keys` too)
+    (no cache)                  -> past_key_i zeros, masked out (cache inserted by mtkc)
 Outputs: same name, or `present.i.key` <-> `present_key_i` (compiled may hold only the new T rows).
 """
 
