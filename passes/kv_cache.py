@@ -56,6 +56,7 @@ import onnx_graphsurgeon as gs
 from mtkc import shapes
 from mtkc.errors import InputError
 from mtkc.pass_api import Context, NodeNames, Pass, PassResult, register
+from mtkc.pattern import values_of
 
 DEFAULT_SEQ_LEN = 128
 DEFAULT_CACHE_LEN = 512
@@ -435,6 +436,26 @@ def _position_input(graph: gs.Graph, names: NodeNames, probe: dict[str, list]) -
                 raise InputError(f"RoPE positions '{t.name}' have rank {rank}; expected [seq] or [batch, seq]")
             if t.dtype is not None and np.dtype(t.dtype) != np.int64:
                 raise InputError(f"RoPE positions '{t.name}' are {np.dtype(t.dtype)}, expected int64")
+    for node in list(flat.outputs) if flat is not None else []:  # Unsqueeze(flat, [0, ...]): use positions
+        axes = node.attrs.get("axes") if len(node.inputs) < 2 else values_of(node.inputs[1])
+        if node.op != "Unsqueeze" or axes is None:
+            continue
+        rank = 1 + np.size(axes)
+        axes = sorted(int(a) % rank for a in np.reshape(axes, -1))
+        if axes[0] != 0:
+            continue
+        if len(axes) == 1:
+            out = node.outputs[0]
+            for user in list(out.outputs):
+                for j, x in enumerate(user.inputs):
+                    if x is out:
+                        user.inputs[j] = positions
+        else:  # cleanup would merge Squeeze + Unsqueeze into a Reshape fixed to T (no RoPE table then)
+            node.inputs[0] = positions
+            if len(node.inputs) < 2:
+                node.attrs["axes"] = axes[1:]
+            else:
+                node.inputs[1] = gs.Constant(names.new("kv_cache/axes"), np.array(axes[1:], np.int64))
     if positions.outputs:
         graph.inputs.append(positions)
 
