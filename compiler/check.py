@@ -208,7 +208,7 @@ def finish_shapes(graph: gs.Graph, root: Path | None = None) -> None:
 def _symbolic_infer(proto: onnx.ModelProto) -> onnx.ModelProto:
     """`SymbolicShapeInference.infer_shapes` minus its failure path, which saves the model to the
     working directory and raises: the tensors typed before the first op it cannot handle are kept."""
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+    SymbolicShapeInference = shapes.symbolic_shape_inference()
 
     sym = SymbolicShapeInference(int_max=2**31 - 1, auto_merge=True, guess_output_rank=False, verbose=0)
     sym._preprocess(proto)

@@ -16,11 +16,13 @@ Chunks (`prefill_0..N-1`) run in order; chunk k's `hidden_states_out` is chunk k
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import onnxruntime as ort
@@ -221,25 +223,31 @@ class Generator:
         self.filled += k
 
 
-def host_tables(passes, read_values) -> dict[str, np.ndarray]:
+def host_tables(passes, read_values) -> dict[str, np.ndarray | Callable[[], np.ndarray]]:
     """Tables the host needs after a pipeline run, from the pass instances that moved them out:
     `embedding` [V, H] (embedding pass, host-input mode) and `rope` [2, max_pos, D] (cos, sin;
-    rope pass, pos_emb mode)."""
+    rope pass, pos_emb mode). The embedding is a weight: a callable that reads it when written."""
     tables = {}
     for p in passes:
         lookups = getattr(p, "lookups", None) if p.name == "embedding" else None
         if lookups:
-            tables["embedding"] = np.asarray(read_values(lookups[0][1]), np.float32)
+            tables["embedding"] = functools.partial(_float32, read_values, lookups[0][1])
         rope = getattr(p, "tables", None) if p.name == "rope" else None
         if rope and "cos" in rope and "sin" in rope:
             tables["rope"] = np.stack([rope["cos"], rope["sin"]]).astype(np.float32)
     return tables
 
 
-def write_host_tables(out_dir: str | Path, tables: dict[str, np.ndarray]) -> dict[str, dict]:
-    """Save each table as `host/<name>.npy` under `out_dir`; returns the manifest's `host` entry."""
+def _float32(read_values, const) -> np.ndarray:
+    return np.asarray(read_values(const), np.float32)
+
+
+def write_host_tables(out_dir: str | Path, tables: dict) -> dict[str, dict]:
+    """Save each table (an array, or a callable returning one) as `host/<name>.npy` under `out_dir`;
+    returns the manifest's `host` entry."""
     entries = {}
     for name, table in sorted(tables.items()):
+        table = table() if callable(table) else table
         path = Path(out_dir) / "host" / f"{name}.npy"
         path.parent.mkdir(parents=True, exist_ok=True)
         np.save(path, table)

@@ -127,3 +127,26 @@ def _schema_known(op: str, domain: str, opset: int) -> bool:
 def _has_schema(node: gs.Node, opset: int) -> bool:
     """ONNX can infer this node (its op exists at the graph's opset); else keep what it has."""
     return _is_onnx(node) and _schema_known(node.op, "", int(opset))
+
+
+def symbolic_shape_inference() -> type:
+    """onnxruntime's `SymbolicShapeInference` class, loaded without running the `onnxruntime.tools`
+    package `__init__` (which imports torch when installed: ~300 MB and seconds for nothing)."""
+    import importlib.util
+    import sys
+
+    import onnxruntime
+
+    name = "onnxruntime.tools.symbolic_shape_infer"
+    module = sys.modules.get(name)
+    if module is None:
+        path = Path(onnxruntime.__file__).parent / "tools" / "symbolic_shape_infer.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return module.SymbolicShapeInference
