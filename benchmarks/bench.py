@@ -1,10 +1,12 @@
 """Real-size benchmark: mtkc check/compile vs onnxruntime's optimizer, onnxslim and I/O floors.
 
-Generates random-weight Qwen2.5-0.5B / 1.5B-dimension exports (TorchScript op17, external data)
-once into a cache folder, then measures wall time and peak RSS of each tool in its own child
-process (side by side, one run), prints a table with ratios and writes JSON.
+Generates random-weight Qwen2.5-0.5B / 1.5B-dimension exports (TorchScript op17 with KV cache, so
+`mtkc compile` writes prefill + decode; external data) once into a cache folder, then measures
+wall time and peak RSS of each tool in its own child process, one at a time, prints a table with
+ratios and writes JSON. See benchmarks/README.md.
 
-    python benchmarks/bench.py --sizes 0.5b,1.5b --layers 12,24,48 --out benchmarks/results.json
+    python benchmarks/bench.py                      # 0.5b and 1.5b, scaling at 12/24/48 layers
+    python benchmarks/bench.py --sizes 0.5b --layers ""  --skip "ort optimizer"
 """
 
 from __future__ import annotations
@@ -12,134 +14,256 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+SIZES = {"0.5b": {"heads": 14, "hidden": 896, "layers": 24}, "1.5b": {"heads": 12, "hidden": 1536, "layers": 28}}
+COPY, GRAPH, CHECK, COMPILE, SLIM, ORT = (
+    "weight copy (I/O floor)", "onnx load+save graph", "mtkc check", "mtkc compile", "onnxslim", "ort optimizer")
+TARGETS = {  # (tool, what, limit) -- the issue's targets, checked per size
+    "compile wall <= 3x copy floor": (COMPILE, "floor", 3.0),
+    "compile wall <= 0.5x onnxslim": (COMPILE, "slim", 0.5),
+    "compile peak RSS <= 1536 MB": (COMPILE, "rss", 1536),
+    "check wall <= 1x copy floor": (CHECK, "floor", 1.0),
+    "check peak RSS <= 500 MB": (CHECK, "rss", 500),
+}
 
 
-def measure(cmd: list[str], cwd: Path | None = None, timeout: float = 1800) -> dict:
-    """Run `cmd` as a child process; wall seconds and peak RSS (MB) of it and its descendants."""
+# ----------------------------------------------------------------------------- measuring
+
+
+def _tree_rss_mb(pid: int) -> float:
+    """Resident MB of `pid` and all its descendants (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))
+        rss[int(entry)] = int(fields[21])  # pages
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        total += rss.get(p, 0)
+        stack.extend(children.get(p, []))
+    return total * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def measure(cmd: list[str], limit_mb: float, timeout: float = 1800) -> dict:
+    """Run `cmd` as a child; wall seconds and peak RSS (MB) of it and its descendants.
+
+    Peak RSS is the larger of the kernel's ru_maxrss (largest single process) and the polled sum
+    over the process tree. A tree above `limit_mb` is killed (reported, not measured): the machine
+    is shared and some tools need many times the model size in RAM.
+    """
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        _, status, usage = os.wait4(proc.pid, 0)
-    except KeyboardInterrupt:
-        proc.kill()
-        raise
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    peak, killed = [0.0], [""]
+    stderr_lines: list[str] = []
+    reader = threading.Thread(target=lambda: stderr_lines.extend(proc.stderr), daemon=True)
+    reader.start()
+
+    def poll() -> None:
+        while proc.poll() is None:
+            rss = _tree_rss_mb(proc.pid)
+            peak[0] = max(peak[0], rss)
+            over = rss > limit_mb
+            late = time.perf_counter() - start > timeout
+            if over or late:
+                killed[0] = f"killed: RSS {rss:.0f} MB > limit {limit_mb:.0f} MB" if over else f"killed: timeout {timeout:.0f} s"
+                os.killpg(proc.pid, 9)
+                return
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=poll, daemon=True)
+    watcher.start()
+    _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
-    stderr = proc.stderr.read() if proc.stderr else ""
+    watcher.join()
+    reader.join(timeout=5)
     code = os.waitstatus_to_exitcode(status)
+    error = killed[0] or (stderr_lines[-1].strip() if code and stderr_lines else "")
     return {
         "cmd": " ".join(cmd),
         "exit": code,
         "wall_s": round(wall, 2),
-        "peak_rss_mb": round(usage.ru_maxrss / 1024, 1),
-        "error": stderr.strip().splitlines()[-1] if code and stderr.strip() else "",
+        "peak_rss_mb": round(max(usage.ru_maxrss / 1024, peak[0]), 1),
+        "error": error[:300],
     }
 
 
-def ensure_export(cache: Path, size: str, layers: int | None) -> Path:
-    """Export once per (size, layers) into the cache; returns the model.onnx path."""
-    tag = f"qwen2-{size}" + (f"-L{layers}" if layers else "")
-    out = cache / tag
+# ----------------------------------------------------------------------------- inputs
+
+
+def ensure_export(cache: Path, size: str, layers: int) -> Path:
+    """Export once per (size, layers) into the cache (legacy17 + KV cache); returns model.onnx."""
+    out = cache / f"qwen2-{size}-L{layers}-kv"
     model = out / "model.onnx"
     if model.exists():
         return model
+    tmp = Path(f"{out}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
     script = (
-        "import sys; from pathlib import Path; from mtkc import factory;"
-        f"m = factory.build_model('qwen2', {size!r}, seed=0, layers={layers!r});"
-        f"factory.export(m, Path({str(out) + '.tmp'!r}), 'legacy17', cache=False)"
+        "import sys; from mtkc import factory;"
+        f"m = factory.build_model('qwen2', {size!r}, seed=0, layers={layers});"
+        f"factory.export(m, {str(tmp)!r}, 'legacy17', cache=True)"
     )
-    shutil.rmtree(str(out) + ".tmp", ignore_errors=True)
-    print(f"exporting {tag} (once) ...", file=sys.stderr)
+    print(f"exporting {out.name} (once; minutes, several GB of RAM) ...", file=sys.stderr)
     subprocess.run([sys.executable, "-c", script], check=True)
-    os.replace(str(out) + ".tmp", out)
+    os.replace(tmp, out)
     return model
 
 
 def weight_files(model: Path) -> list[Path]:
-    return [p for p in model.parent.iterdir() if p.is_file() and p.name != model.name]
+    return sorted(p for p in model.parent.iterdir() if p.is_file() and p.name != model.name)
 
 
-def tools(model: Path, work: Path, size_args: dict) -> dict[str, list[str]]:
-    py = sys.executable
-    floor_roundtrip = (
-        "import onnx,sys; m=onnx.load(sys.argv[1], load_external_data=False);"
-        "onnx.save(m, sys.argv[2])"
-    )
-    copy = "import shutil,sys,os; [shutil.copy(p, sys.argv[1]) for p in sys.argv[2:]]; os.sync()"
+_COPY = """
+import os, shutil, sys
+dst = sys.argv[1]
+for src in sys.argv[2:]:
+    out = shutil.copy(src, dst)
+    fd = os.open(out, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+"""
+_GRAPH = "import onnx, sys; onnx.save(onnx.load(sys.argv[1], load_external_data=False), sys.argv[2])"
+
+
+def tools(model: Path, work: Path, size: str) -> dict[str, list[str]]:
+    py, dims = sys.executable, SIZES[size]
     return {
-        "weight copy (I/O floor)": [py, "-c", copy, str(work / "copy")] + [str(p) for p in weight_files(model)],
-        "onnx load+save graph (floor)": [py, "-c", floor_roundtrip, str(model), str(work / "graph.onnx")],
-        "mtkc check": [py, "-m", "mtkc", "check", str(model), "--sdk", "8.0", "--seq-len", "128", "--format", "json"],
-        "mtkc compile": [
-            py, "-m", "mtkc", "compile", str(model), "--sdk", "8.0", "--seq-len", "128", "--cache-len", "512",
-            "-o", str(work / "mtkc-out"), "--overwrite",
-        ],
-        "onnxslim": [py, "-m", "onnxslim", str(model), str(work / "slim.onnx"), "--save-as-external-data"],
-        "ort transformers optimizer": [
-            py, "-m", "onnxruntime.transformers.optimizer", "--input", str(model), "--output",
-            str(work / "ortopt.onnx"), "--model_type", "qwen3", "--num_heads", str(size_args["heads"]),
-            "--hidden_size", str(size_args["hidden"]), "--use_external_data_format",
-        ],
+        COPY: [py, "-c", _COPY, str(work / "copy")] + [str(p) for p in weight_files(model)],
+        GRAPH: [py, "-c", _GRAPH, str(model), str(work / "graph.onnx")],
+        CHECK: [py, "-m", "mtkc", "check", str(model), "--sdk", "8.0", "--seq-len", "128", "--cache-len", "512",
+                "--format", "json"],
+        COMPILE: [py, "-m", "mtkc", "compile", str(model), "--sdk", "8.0", "--seq-len", "128", "--cache-len", "512",
+                  "-o", str(work / "mtkc-out"), "--overwrite", "--no-convert"],
+        SLIM: [py, "-m", "onnxslim", str(model), str(work / "slim.onnx"), "--save-as-external-data"],
+        ORT: [py, "-m", "onnxruntime.transformers.optimizer", "--input", str(model), "--output", str(work / "ortopt.onnx"),
+              "--model_type", "qwen3", "--num_heads", str(dims["heads"]), "--hidden_size", str(dims["hidden"]),
+              "--use_external_data_format"],
     }
 
 
-SIZES = {"0.5b": {"heads": 14, "hidden": 896}, "1.5b": {"heads": 12, "hidden": 1536}}
+def run_size(cache: Path, size: str, skip: set[str], limit_mb: float) -> dict:
+    model = ensure_export(cache, size, SIZES[size]["layers"])
+    rows = {}
+    for name in tools(model, cache, size):
+        if name in skip:
+            continue
+        with tempfile.TemporaryDirectory(dir=cache, prefix=".bench-") as tmp:  # same disk as the input
+            work = Path(tmp)
+            (work / "copy").mkdir()
+            print(f"[{size}] {name} ...", file=sys.stderr)
+            rows[name] = measure(tools(model, work, size)[name], limit_mb)
+    return {"model": str(model), "bytes": sum(p.stat().st_size for p in model.parent.iterdir()), "tools": rows}
+
+
+def run_scaling(cache: Path, layer_counts: list[int], limit_mb: float) -> dict:
+    rows = {}
+    for layers in layer_counts:
+        model = ensure_export(cache, "0.5b", layers)
+        with tempfile.TemporaryDirectory(dir=cache, prefix=".bench-") as tmp:
+            print(f"[scaling] {layers} layers ...", file=sys.stderr)
+            rows[str(layers)] = measure(tools(model, Path(tmp), "0.5b")[COMPILE], limit_mb)
+    return rows
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def ratios(rows: dict) -> dict[str, dict]:
+    floor = rows.get(COPY, {}).get("wall_s")
+    slim = rows.get(SLIM, {})
+    slim = slim.get("wall_s") if slim.get("exit") == 0 else None
+    return {name: {"x_copy": round(r["wall_s"] / floor, 2) if floor else None,
+                   "x_onnxslim": round(r["wall_s"] / slim, 2) if slim else None} for name, r in rows.items()}
+
+
+def targets(rows: dict) -> dict[str, dict]:
+    out, rel = {}, ratios(rows)
+    for label, (tool, what, limit) in TARGETS.items():
+        if tool not in rows:
+            continue
+        value = {"floor": rel[tool]["x_copy"], "slim": rel[tool]["x_onnxslim"], "rss": rows[tool]["peak_rss_mb"]}[what]
+        out[label] = {"value": value, "met": value is not None and rows[tool]["exit"] == 0 and value <= limit}
+    return out
+
+
+def table(size: str, result: dict) -> str:
+    rows, rel = result["tools"], ratios(result["tools"])
+    lines = [f"\n### {size} ({result['bytes'] / 1e9:.2f} GB on disk)\n",
+             "| tool | wall s | peak RSS MB | × copy floor | × onnxslim | exit |", "|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        fmt = lambda v: "-" if v is None else f"{v:.2f}"
+        note = f" ({r['error']})" if r["error"] else ""
+        lines.append(f"| {name} | {r['wall_s']:.1f} | {r['peak_rss_mb']:.0f} | {fmt(rel[name]['x_copy'])} | "
+                     f"{fmt(rel[name]['x_onnxslim'])} | {r['exit']}{note} |")
+    for label, t in result["targets"].items():
+        lines.append(f"- target {label}: {t['value']} -> {'met' if t['met'] else 'NOT met'}")
+    return "\n".join(lines)
+
+
+def machine() -> dict:
+    load = os.getloadavg()
+    return {"python": platform.python_version(), "cpus": os.cpu_count(), "loadavg_at_start": [round(x, 2) for x in load],
+            "mem_total_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="0.5b,1.5b")
-    parser.add_argument("--layers", default="12,24,48", help="layer counts for the compile scaling run (0.5b dims)")
-    parser.add_argument("--cache", type=Path, default=HERE / "cache")
+    parser.add_argument("--sizes", default="0.5b,1.5b", help="comma-separated: 0.5b, 1.5b")
+    parser.add_argument("--layers", default="12,24,48", help="layer counts for the compile scaling run (0.5b dims); '' skips")
+    parser.add_argument("--cache", type=Path, default=HERE / "cache", help="exports and scratch space (gitignored)")
     parser.add_argument("--out", type=Path, default=HERE / "results.json")
-    parser.add_argument("--skip", default="", help="comma-separated tool names to skip (e.g. 'ort transformers optimizer')")
+    parser.add_argument("--skip", default="", help=f"comma-separated tool names to skip, of: {', '.join(tools(Path('m'), Path('w'), '0.5b'))}")
+    parser.add_argument("--limit-gb", type=float, default=14.0, help="kill a tool whose process tree exceeds this RSS")
     args = parser.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     args.cache.mkdir(parents=True, exist_ok=True)
-    results: dict = {"sizes": {}, "scaling": {}}
+    limit = args.limit_gb * 1024
+    results: dict = {"machine": machine(), "sizes": {}, "scaling": {}}
     for size in [s for s in args.sizes.split(",") if s]:
-        model = ensure_export(args.cache, size, None)
-        rows = {}
-        with tempfile.TemporaryDirectory(dir=args.cache) as tmp:
-            work = Path(tmp)
-            (work / "copy").mkdir()
-            for name, cmd in tools(model, work, SIZES[size]).items():
-                if name in skip:
-                    continue
-                print(f"[{size}] {name} ...", file=sys.stderr)
-                rows[name] = measure(cmd)
-        results["sizes"][size] = rows
-        print_table(size, rows)
-    for layers in [int(n) for n in args.layers.split(",") if n]:
-        model = ensure_export(args.cache, "0.5b", layers)
-        with tempfile.TemporaryDirectory(dir=args.cache) as tmp:
-            cmd = tools(model, Path(tmp), SIZES["0.5b"])["mtkc compile"]
-            print(f"[scaling] {layers} layers ...", file=sys.stderr)
-            results["scaling"][str(layers)] = measure(cmd)
-    if results["scaling"]:
-        print("\nmtkc compile scaling (0.5b dims):")
-        for layers, row in results["scaling"].items():
-            print(f"  {layers:>3} layers: {row['wall_s']:7.2f} s  {row['peak_rss_mb']:8.1f} MB  exit {row['exit']}")
+        result = run_size(args.cache, size, skip, limit)
+        result["targets"] = targets(result["tools"])
+        results["sizes"][size] = result
+        print(table(size, result))
+    if "0.5b" in results["sizes"] and "1.5b" in results["sizes"]:
+        small, big = (results["sizes"][s]["tools"].get(COMPILE) for s in ("0.5b", "1.5b"))
+        if small and big:
+            growth = round(big["peak_rss_mb"] / small["peak_rss_mb"], 3)
+            results["compile_rss_1.5b_over_0.5b"] = {"value": growth, "met": growth <= 1.10}
+            print(f"- target compile peak RSS 1.5b within 10 % of 0.5b: {growth}x -> {'met' if growth <= 1.10 else 'NOT met'}")
+    counts = [int(n) for n in args.layers.split(",") if n.strip()]
+    if counts:
+        results["scaling"] = run_scaling(args.cache, counts, limit)
+        print("\n### mtkc compile scaling (0.5b dims)\n\n| layers | wall s | peak RSS MB | exit |\n|---|---|---|---|")
+        for layers, r in results["scaling"].items():
+            print(f"| {layers} | {r['wall_s']:.1f} | {r['peak_rss_mb']:.0f} | {r['exit']} |")
+        s = results["scaling"]
+        if "24" in s and "48" in s:
+            ratio = round(s["48"]["wall_s"] / s["24"]["wall_s"], 2)
+            results["scaling_48_over_24"] = {"value": ratio, "met": ratio <= 2.2}
+            print(f"- target 48 vs 24 layers <= 2.2x: {ratio}x -> {'met' if ratio <= 2.2 else 'NOT met'}")
+    results["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     args.out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
     print(f"\nwrote {args.out}", file=sys.stderr)
     return 0
-
-
-def print_table(size: str, rows: dict) -> None:
-    floor = rows.get("weight copy (I/O floor)", {}).get("wall_s")
-    slim = rows.get("onnxslim", {}).get("wall_s")
-    print(f"\n{size}: tool | wall s | peak RSS MB | × copy floor | × onnxslim | exit")
-    for name, row in rows.items():
-        ratio_floor = f"{row['wall_s'] / floor:.2f}" if floor else "-"
-        ratio_slim = f"{row['wall_s'] / slim:.2f}" if slim else "-"
-        print(f"  {name} | {row['wall_s']} | {row['peak_rss_mb']} | {ratio_floor} | {ratio_slim} | {row['exit']} {row['error']}")
 
 
 if __name__ == "__main__":
