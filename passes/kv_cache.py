@@ -96,6 +96,9 @@ def variants(graph: gs.Graph, options: dict) -> list[Variant]:
         raise InputError(f"--cache-io {cache_io}: expected one of {', '.join(CACHE_IO)}")
     if chunks < 1 or seq_len < 1 or cache_len < 1:
         raise InputError(f"--chunks/--seq-len/--cache-len must be >= 1 (got {chunks}/{seq_len}/{cache_len})")
+    layers = len({i for i, _ in past_inputs(graph)}) or sum(1 for n in graph.nodes if n.op == "Softmax")
+    if layers and layers % chunks:
+        raise InputError(f"--chunks {chunks} does not divide the model's {layers} decoder layers evenly")
     max_pos = options.get("max_positions") or seq_len + cache_len  # one RoPE table for both graphs
     out = []
     for variant, t in (("prefill", seq_len), ("decode", 1)):

@@ -1,0 +1,144 @@
+"""kv-cache / kv-cache-io / layer-chunks: variants, cache I/O contract, numerics, refusals."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import pytest
+import torch
+
+from mtkc import model as mmodel
+from mtkc.compile import compile_model
+from mtkc.errors import InputError
+from mtkc.generate import Generator
+from mtkc.pass_api import Context
+from mtkc.passes import kv_cache
+
+T, C = 8, 64
+
+
+def test_variants_prefill_decode_per_chunk(exported):
+    graph = mmodel.load(exported("qwen2", "legacy17", cache=True)).graph
+    plan = kv_cache.variants(graph, {"seq_len": T, "cache_len": C, "chunks": 2, "cache_io": "sliding"})
+    assert [v.name for v in plan] == ["prefill_0", "prefill_1", "decode_0", "decode_1"]
+    assert plan[1].options == {"kv_cache": True, "variant": "prefill", "seq_len": T, "cache_len": C,
+                               "cache_io": "sliding", "chunks": 2, "chunk": 1, "max_positions": T + C}
+    assert plan[2].options["seq_len"] == 1 and plan[2].options["max_positions"] == T + C
+    defaults = kv_cache.variants(graph, {})
+    assert [v.name for v in defaults] == ["prefill", "decode"]
+    assert defaults[0].options["seq_len"] == 128 and defaults[0].options["cache_len"] == 512
+    assert defaults[0].options["cache_io"] == "new"
+
+
+def test_variants_model_without_cache_is_one_graph_unless_asked(exported):
+    graph = mmodel.load(exported("qwen2", "legacy17", cache=False)).graph
+    assert [v.name for v in kv_cache.variants(graph, {"seq_len": T})] == ["model"]
+    assert [v.name for v in kv_cache.variants(graph, {"kv_cache": True})] == ["prefill", "decode"]
+    assert [v.name for v in kv_cache.variants(graph, {"kv_cache": False})] == ["model"]
+
+
+def test_variants_refuse_bad_options(exported):
+    graph = mmodel.load(exported("qwen2", "legacy17", cache=True)).graph
+    with pytest.raises(InputError, match="--cache-io ring: expected one of new, sliding"):
+        kv_cache.variants(graph, {"cache_io": "ring"})
+    with pytest.raises(InputError, match="--chunks 3 does not divide the model's 2 decoder layers evenly"):
+        kv_cache.variants(graph, {"chunks": 3})
+
+
+@pytest.mark.parametrize("exporter", ["legacy17", "dynamo", "hf"])
+def test_kv_cache_names_cache_io_of_each_exporter(exported, exporter):
+    model = mmodel.load(exported("qwen2", exporter, cache=True))
+    graph = model.graph
+    originals = [t.name for t in graph.inputs if t.shape is not None and len(t.shape) == 4]
+    p = kv_cache.KvCache()
+    result = p.run(graph, Context(None, {"kv_cache": True}, model.root))
+    assert result.rewrites == 2
+    names = [t.name for t in graph.inputs]
+    assert [n for n in names if n.startswith("past_")] == ["past_key_0", "past_value_0", "past_key_1", "past_value_1"]
+    assert [t.name for t in graph.outputs] == ["logits", "present_key_0", "present_value_0",
+                                               "present_key_1", "present_value_1"]
+    for i in range(2):  # each present is the layer's Concat(past, new, axis=2)
+        concat = graph.outputs[1 + 2 * i].inputs[0]
+        assert concat.op == "Concat" and concat.attrs["axis"] in (2, -2)
+    assert set(p.map_feeds({n: 0 for n in originals}, None)) == {"past_key_0", "past_value_0", "past_key_1", "past_value_1"}
+
+
+def test_kv_cache_refuses_a_model_without_attention(tmp_path):
+    x = gs.Variable("x", np.float32, [1, 4])
+    y = gs.Variable("y", np.float32, [1, 4])
+    graph = gs.Graph(nodes=[gs.Node("Relu", inputs=[x], outputs=[y])], inputs=[x], outputs=[y], opset=17)
+    onnx.save(gs.export_onnx(graph), tmp_path / "relu.onnx")
+    with pytest.raises(InputError, match=r"no KV-cache inputs \(past_key_values\.\*\) and no attention"):
+        compile_model(tmp_path / "relu.onnx", "8.0", tmp_path / "out", {"kv_cache": True, "seq_len": T, "cache_len": C})
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def hf_new(exported, tmp_path_factory):
+    """An hf (transformers OnnxExporter) cache export compiled with new-entry presents, 1 chunk."""
+    out = tmp_path_factory.mktemp("kv") / "hf-new"
+    compile_model(exported("qwen2", "hf", cache=True), "8.0", out, {"seq_len": T, "cache_len": C})
+    return out
+
+
+def test_io_contract_of_the_compiled_graphs(hf_new):
+    manifest = json.loads((hf_new / "manifest.json").read_text())
+    graphs = {g["name"]: g for g in manifest["graphs"]}
+    assert list(graphs) == ["prefill", "decode"]
+    for name, t in (("prefill", T), ("decode", 1)):
+        io = {x["name"]: (x["dtype"], x["shape"]) for x in graphs[name]["inputs"] + graphs[name]["outputs"]}
+        assert [x["name"] for x in graphs[name]["inputs"]] == [
+            "hidden_states", "attention_mask", "position_ids", "past_key_0", "past_value_0", "past_key_1", "past_value_1"]
+        assert io["hidden_states"] == ("float32", [1, t, 64])
+        assert io["attention_mask"] == ("float32", [1, 1, t, C + t])
+        assert io["position_ids"] == ("int32", [1, t])
+        assert io["past_value_1"] == ("float32", [1, 2, C, 16])
+        assert io["logits"] == ("float32", [1, t, 1000])
+        assert io["present_key_0"] == ("float32", [1, 2, t, 16])  # new entries only
+
+
+def test_prefill_matches_torch_logits_and_new_cache_entries(hf_new, tiny_model):
+    prompt = [5, 17, 300, 42, 7]
+    generator = Generator(hf_new)
+    generator.reset()
+    logits = generator.step(generator.prefill, prompt)
+    with torch.no_grad():
+        out = tiny_model("qwen2")(torch.tensor([prompt]), use_cache=True)
+    np.testing.assert_allclose(logits, out.logits[0].numpy(), atol=1e-4)
+    for i, layer in enumerate(out.past_key_values.layers):
+        np.testing.assert_allclose(generator.cache[f"past_key_{i}"][:, :, :5], layer.keys.numpy(), atol=1e-5)
+        np.testing.assert_allclose(generator.cache[f"past_value_{i}"][:, :, :5], layer.values.numpy(), atol=1e-5)
+        assert not generator.cache[f"past_key_{i}"][:, :, 5:].any()  # padded rows are not written
+
+
+def test_weights_are_written_once_for_prefill_and_decode(hf_new, exported):
+    source = onnx.load(str(exported("qwen2", "hf", cache=True)))
+    stored = sum(onnx.numpy_helper.to_array(t).nbytes for t in source.graph.initializer)
+    written = (hf_new / "weights.bin").stat().st_size
+    assert written < 1.2 * stored  # one copy (2 graphs), plus small constants
+
+
+def test_kv_cache_io_map_outputs_keeps_what_the_runtime_keeps():
+    full = np.arange(1 * 2 * (C + T) * 4, dtype=np.float32).reshape(1, 2, C + T, 4)
+    for mode, expected in (("new", full[:, :, C:]), ("sliding", full[:, :, T:])):
+        ctx = Context(None, {"kv_cache": True, "seq_len": T, "cache_len": C, "cache_io": mode})
+        mapped = kv_cache.KvCacheIo().map_outputs({"present_key_0": full, "logits": full}, ctx)
+        assert np.array_equal(mapped["present_key_0"], expected) and mapped["logits"] is full
+
+
+def test_layer_boundaries_are_the_residual_stream(exported):
+    model = mmodel.load(exported("llama", "legacy17", cache=True))
+    graph = model.graph
+    kv_cache.KvCache().run(graph, Context(None, {"kv_cache": True}, model.root))
+    layers = kv_cache.layer_caches(graph)
+    bounds = kv_cache.layer_boundaries(graph, layers)
+    assert set(bounds) == {0, 1}
+    assert bounds[0] is not bounds[1]
+    # layer 1's boundary: the residual stream after layer 0's MLP Add; TorchScript starts layer 1's
+    # RMSNorm with a no-op Cast that both the norm and the residual read, so that Cast is the cut
+    node = bounds[1].inputs[0]
+    assert (node.op, node.name) == ("Cast", "/m/model/layers.1/input_layernorm/Cast")
+    assert node.inputs[0].inputs[0].op == "Add" and "layers.0/" in node.inputs[0].inputs[0].name
