@@ -84,7 +84,7 @@ class Attention(Pass):
         result.misses += misses
         for m in sites:
             result.rewrites += _one_scale(graph, m) + _plain_transpose(graph, m)
-        result.rewrites += drop_row_guards(graph)
+        result.rewrites += drop(graph, row_guards(graph))
         result.notes.append(f"{len(sites)} attention sites")
         if result.rewrites:
             graph.cleanup().toposort()
@@ -138,11 +138,11 @@ def _static(t: gs.Tensor) -> bool:
     return t.shape is not None and all(isinstance(d, int) and d >= 0 for d in t.shape)
 
 
-def drop_row_guards(graph: gs.Graph) -> int:
-    """Where(IsNaN(P), 0, P) -> P and Where(Less(ReduceSum(·), 1), 0, O) -> O."""
-    count = 0
-    for node in list(graph.nodes):
-        if node.op != "Where" or len(node.inputs) != 3 or not node.outputs:
+def row_guards(graph: gs.Graph) -> list[tuple[gs.Node, gs.Tensor]]:
+    """(Where, data) for Where(IsNaN(P), 0, P) and Where(Less(ReduceSum(·), 1), 0, O)."""
+    guards = []
+    for node in graph.nodes:
+        if node.op != "Where" or len(node.inputs) != 3 or not node.outputs or node.outputs[0] in graph.outputs:
             continue
         cond, zero, data = node.inputs
         zv = small_values(zero)
@@ -153,13 +153,16 @@ def drop_row_guards(graph: gs.Graph) -> int:
         empty_row = test.op == "Less" and test.inputs[0].inputs and test.inputs[0].inputs[0].op == "ReduceSum" \
             and (v := small_values(test.inputs[1])) is not None and v.size == 1 and float(v.reshape(-1)[0]) == 1.0
         if nan_guard or empty_row:
-            out = node.outputs[0]
-            if out in graph.outputs:
-                continue
-            replace_uses(graph, out, data)
-            node.outputs.clear()
-            count += 1
-    return count
+            guards.append((node, data))
+    return guards
+
+
+def drop(graph: gs.Graph, guards: list[tuple[gs.Node, gs.Tensor]]) -> int:
+    """Bypass each guard Where (its output becomes its data input)."""
+    for node, data in guards:
+        replace_uses(graph, node.outputs[0], data)
+        node.outputs.clear()
+    return len(guards)
 
 
 # -- fused attention ops -------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Embedding: the vocabulary lookup goes to the host when the SDK table says so.
 
     input_ids ─ Gather(W_embed[V, H], ·) ─ hidden   (anchor: each Gather over a constant 2-D
-                                                      table indexed by a graph input)
+                                                      table indexed by a graph input other than
+                                                      position_ids; RoPE tables are not lookups)
 
 MDLA has no large-table Gather (MediaTek's runtime looks tokens up on the CPU and feeds hidden
 states), so when the table's verdict for the Gather is target "host", per option `embedding`:
@@ -20,6 +21,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.pass_api import Context, Miss, Pass, PassResult, register
+from mtkc.passes.rope import TABLE
 from mtkc.pattern import constant_of, replace_uses
 
 NAME = "hidden_states"
@@ -36,15 +38,28 @@ def _source(tensor: gs.Tensor, graph: gs.Graph) -> gs.Tensor | None:
 
 
 def find(graph: gs.Graph):
-    """(Gather, table constant, ids input) for every vocabulary lookup."""
+    """(Gather, table constant, ids input) for every vocabulary lookup (not RoPE's position tables)."""
     sites = []
     for node in graph.nodes:
         if node.op == "Gather" and node.attrs.get("axis", 0) == 0 and len(node.inputs) == 2:
             table = constant_of(node.inputs[0])
             ids = _source(node.inputs[1], graph)
-            if table is not None and len(table.shape) == 2 and ids is not None:
+            if table is not None and len(table.shape) == 2 and ids is not None and ids.name != "position_ids" \
+                    and TABLE not in table.name:
                 sites.append((node, table, ids))
     return sites
+
+
+def _read_shape_from(ids: gs.Tensor, hidden: gs.Tensor) -> None:
+    """Shape(ids) (unbound shapes) -> the same dims of hidden [.., T, H]: ids no longer needed."""
+    rank = len(ids.shape) if ids.shape is not None else None
+    for reader in [n for n in ids.outputs if n.op == "Shape"]:
+        if rank is None:
+            continue
+        start, end = reader.attrs.get("start", 0), reader.attrs.get("end", rank)
+        reader.attrs["start"] = start - 1 if start < 0 else start
+        reader.attrs["end"] = end - 1 if end < 0 else min(end, rank)
+        reader.inputs[0] = hidden
 
 
 @register
@@ -77,6 +92,8 @@ class Embedding(Pass):
             graph.inputs.append(hidden)
             replace_uses(graph, out, hidden)
             node.outputs.clear()
+            if graph.opset >= 15:  # Shape start/end
+                _read_shape_from(ids, hidden)
             self.lookups.append((ids.name, table, name))
             result.rewrites += 1
         if result.rewrites:

@@ -25,7 +25,7 @@ import onnx_graphsurgeon as gs
 
 from mtkc.pass_api import Context, Miss, Pass, PassResult, register
 from mtkc.pattern import Emit, replace_uses, small_values
-from mtkc.passes.attention import drop_row_guards
+from mtkc.passes.attention import drop, row_guards
 
 NAME = "attention_mask"
 DEFAULT_VALUE = -100.0
@@ -65,46 +65,39 @@ class Mask(Pass):
     def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
         result = PassResult()
         old = _mask_input(graph)
-        softmaxes = [n for n in graph.nodes if n.op == "Softmax"]
         if old is None:  # nothing to replace (already an additive input, or no mask at all)
             result.notes.append("no 2-D integer attention_mask input")
             return result
         derived = _downstream([old]) - _downstream([t for t in graph.inputs if t is not old])
-        self.value = float(ctx.options.get("mask_value") or DEFAULT_VALUE)
-        new = None
-        for node in softmaxes:
-            site = node.inputs[0].inputs[0] if node.inputs[0].inputs else None
-            if site is None or site.op not in ("Add", "Where"):
-                result.misses.append(Miss(node.name, f"Softmax input is not an Add or a Where ({site.op if site else 'none'})"))
-                continue
-            if site.op == "Add":
-                masked = [i for i, t in enumerate(site.inputs) if id(t) in derived]
-                if len(masked) != 1:
-                    result.misses.append(Miss(site.name, f"{len(masked)} Add inputs derive from '{old.name}', expected 1"))
-                    continue
-            elif id(site.inputs[0]) not in derived or id(site.inputs[1]) in derived:
-                result.misses.append(Miss(site.name, f"Where condition does not derive from '{old.name}'"))
-                continue
-            new = new or self._input(graph, ctx, old)
-            if site.op == "Add":
-                site.inputs[masked[0]] = new
-            else:
-                e = Emit(graph, site.name)
-                out = site.outputs[0]
-                added = e.op("Add", [site.inputs[1], new], dtype=out.dtype, shape=out.shape)
-                replace_uses(graph, out, added)
-            result.rewrites += 1
-        if new is None:
+        sites = []  # (Add or Where feeding a Softmax, index of its mask input)
+        for node in graph.nodes:
+            if node.op == "Softmax":
+                site = _site(node, derived, old.name)
+                (sites.append(site) if isinstance(site, tuple) else result.misses.append(site))
+        if not sites:
             return result
-        result.rewrites += drop_row_guards(graph) + _drop_guards(graph, derived)
+        guards = list({id(n): (n, d) for n, d in row_guards(graph) + _guards(graph, derived)}.values())
+        readers = _readers_left(graph, old, sites, guards)
+        shapes = _shape_source(graph) if all(r.op == "Shape" for r in readers) else None
+        if readers and shapes is None:
+            result.misses.append(Miss(readers[0].name, f"'{old.name}' would still be read by {len(readers)} node(s) "
+                                                        "(bind shapes and fold first)"))
+            return result
+        for reader in readers:  # no cache: the mask is [batch, seq], like input_ids
+            reader.inputs[0] = shapes
+        self.value = float(ctx.options.get("mask_value") or DEFAULT_VALUE)
+        new = self._input(graph, ctx, old)
+        for site, index in sites:
+            if site.op == "Add":
+                site.inputs[index] = new
+            else:
+                out = site.outputs[0]
+                added = Emit(graph, site.name).op("Add", [site.inputs[1], new], dtype=out.dtype, shape=out.shape)
+                replace_uses(graph, out, added)
+        result.rewrites = len(sites) + drop(graph, guards) + len(readers)
         graph.cleanup().toposort()
-        readers = [n.name for n in old.outputs]
-        if readers:
-            result.misses.append(Miss(readers[0], f"'{old.name}' is still read by {len(readers)} node(s) "
-                                                   "(bind shapes and fold first); kept as an input"))
-        else:
-            graph.inputs = [t for t in graph.inputs if t is not old]
-            self.replaced = old.name.removesuffix(".2d")
+        graph.inputs = [t for t in graph.inputs if t is not old]
+        self.replaced = old.name
         return result
 
     def _input(self, graph: gs.Graph, ctx: Context, old: gs.Variable) -> gs.Variable:
@@ -114,7 +107,7 @@ class Mask(Pass):
             total = int(seq) + int(cache) if isinstance(seq, int) or str(seq).isdigit() else f"{cache}+{seq}"
         else:
             total = old.shape[1] if _has_cache(graph) else seq
-        old.name = f"{old.name}.2d"
+        old.name = f"{old.name}.2d"  # the new input takes the name; the old one leaves the graph
         new = gs.Variable(NAME, dtype=np.float32, shape=[1, 1, seq, total])
         graph.inputs.append(new)
         return new
@@ -122,10 +115,10 @@ class Mask(Pass):
     def map_feeds(self, feeds: dict, ctx: Context) -> dict:
         """The additive mask equivalent to the 2-D mask (batch 1): key j visible to query i iff
         attention_mask[j] and j <= C + i."""
-        if not self.replaced or self.replaced not in feeds:
+        if not self.replaced or NAME not in feeds:
             return feeds
         feeds = dict(feeds)
-        keep = np.asarray(feeds.pop(self.replaced))[0].astype(bool)
+        keep = np.asarray(feeds.pop(NAME))[0].astype(bool)
         total = keep.shape[0]
         seq = int(ctx.options.get("seq_len") or _feed_seq(feeds) or total)
         past = total - seq
@@ -134,19 +127,58 @@ class Mask(Pass):
         return feeds
 
 
-def _drop_guards(graph: gs.Graph, derived: set[int]) -> int:
-    """Where(c, 0, x) -> x when c derives from the mask and x does not: a fully-masked-row guard."""
-    count = 0
-    for node in list(graph.nodes):
+def _site(softmax: gs.Node, derived: set[int], mask: str):
+    """(Add, index of its mask input) or (Where(cond, scores, -big), 0) feeding `softmax`, else a Miss."""
+    site = softmax.inputs[0].inputs[0] if softmax.inputs[0].inputs else None
+    if site is not None and site.op == "Add":
+        masked = [i for i, t in enumerate(site.inputs) if id(t) in derived]
+        if len(masked) == 1:
+            return site, masked[0]
+        return Miss(site.name, f"{len(masked)} Add inputs derive from '{mask}', expected 1")
+    if site is not None and site.op == "Where":
+        if id(site.inputs[0]) in derived and id(site.inputs[1]) not in derived:
+            return site, 0
+        return Miss(site.name, f"Where condition does not derive from '{mask}'")
+    return Miss(softmax.name, f"Softmax input is not an Add or a Where ({site.op if site else 'none'})")
+
+
+def _guards(graph: gs.Graph, derived: set[int]) -> list[tuple[gs.Node, gs.Tensor]]:
+    """Where(c, 0, x) with c derived from the mask and x not: a fully-masked-row guard."""
+    guards = []
+    for node in graph.nodes:
         if node.op != "Where" or not node.outputs or node.outputs[0] in graph.outputs:
             continue
         cond, zero, data = node.inputs
         z = small_values(zero)
         if id(cond) in derived and id(data) not in derived and z is not None and z.size == 1 and not z.any():
-            replace_uses(graph, node.outputs[0], data)
-            node.outputs.clear()
-            count += 1
-    return count
+            guards.append((node, data))
+    return guards
+
+
+def _readers_left(graph: gs.Graph, old: gs.Tensor, sites, guards) -> list[gs.Node]:
+    """Readers of `old` still needed for the graph outputs once the sites and guards are rewired."""
+    cut = {id(site.inputs[i]) for site, i in sites if site.op == "Add"}
+    bypass = {id(node): data for node, data in guards}
+    where = {id(site): site.inputs[1] for site, _ in sites if site.op == "Where"}
+    needed, stack, seen = [], list(graph.outputs), set()
+    while stack:
+        t = stack.pop()
+        if id(t) in seen or id(t) in cut or not t.inputs:
+            continue
+        seen.add(id(t))
+        node = t.inputs[0]
+        inputs = [bypass[id(node)]] if id(node) in bypass else [where[id(node)]] if id(node) in where else node.inputs
+        if any(i is old for i in inputs):
+            needed.append(node)
+        stack.extend(inputs)
+    return list({id(n): n for n in needed}.values())
+
+
+def _shape_source(graph: gs.Graph) -> gs.Tensor | None:
+    """A 2-D graph input with the mask's shape [batch, seq]: input_ids, when there is no cache."""
+    if _has_cache(graph):
+        return None
+    return next((t for t in graph.inputs if t.name == "input_ids" and t.shape is not None and len(t.shape) == 2), None)
 
 
 def _seq_dim(graph: gs.Graph):

@@ -40,6 +40,7 @@ from mtkc.pattern import Const, Emit, Op, Or, Var, constant_of, near, replace_us
 
 MS = "com.microsoft"
 POS_EMB = "pos_emb"
+TABLE = "rope_table"  # in the names of the hoisted cos/sin tables (the embedding pass leaves them alone)
 
 
 def _last_axis(axis) -> bool:
@@ -343,7 +344,7 @@ def _evaluate(graph: gs.Graph, ctx: Context, source: gs.Tensor, targets: list, m
 def _gather(graph, prefix, kind, table, source, rank, target):
     e = Emit(graph, prefix)
     src_rank = len(source.shape) if source.shape is not None else 1
-    out = e.op("Gather", [e.const(f"{kind}_table", table), source], {"axis": 0}, dtype=np.float32)
+    out = e.op("Gather", [e.const(f"{kind}_{TABLE}", table), source], {"axis": 0}, dtype=np.float32)
     if rank > src_rank + 1:
         axes = np.arange(rank - src_rank - 1, dtype=np.int64)
         out = e.op("Unsqueeze", [out, e.const("axes", axes)], dtype=np.float32)
