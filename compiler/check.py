@@ -21,6 +21,7 @@ import onnx_graphsurgeon as gs
 from mtkc import capability, shapes
 from mtkc.capability import Table, Verdict
 from mtkc.errors import InputError
+from mtkc.graph_utils import toposort
 from mtkc.pass_api import Context
 
 log = logging.getLogger("mtkc")
@@ -137,7 +138,7 @@ def assess(graph: gs.Graph, table: Table, opset: int | None = None,
            read_values: Callable[[gs.Constant], np.ndarray] | None = None) -> Assessment:
     """Verdicts for every node of a typed graph, grouped; partitions estimated (linear)."""
     try:
-        graph.toposort()
+        toposort(graph)
     except Exception as exc:  # graphsurgeon raises a bare Exception on cycles
         raise InputError(f"graph '{graph.name}' is not a DAG ({exc})") from None
     groups: dict[tuple[str, str, str], Group] = {}

@@ -145,7 +145,7 @@ def _variables(graph: gs.Graph):
 
 
 def static(t: gs.Tensor) -> bool:
-    return t.shape is not None and all(isinstance(d, Integral) and d >= 0 for d in t.shape)
+    return t.shape is not None and all((isinstance(d, int) or isinstance(d, Integral)) and d >= 0 for d in t.shape)
 
 
 def _shape_text(t: gs.Tensor) -> str:

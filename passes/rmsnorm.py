@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc.graph_utils import cleanup, toposort
 from mtkc.pass_api import Context, Miss, Pass, PassResult, register
 from mtkc.pattern import Const, Emit, Match, Op, Opt, Or, Var, constant_of, near, replace_uses, small_values, values_of
 
@@ -177,7 +178,7 @@ class RMSNorm(Pass):
                 result.misses.append(Miss(node.name, why))
         result.notes.append(f"{len(sites)} decomposed RMSNorm sites")
         if result.rewrites:
-            graph.cleanup().toposort()
+            toposort(cleanup(graph))
         return result
 
     def _fused(self, graph: gs.Graph, ctx: Context, node: gs.Node) -> str | None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc.graph_utils import cleanup, toposort
 from mtkc.pass_api import Context, Miss, Pass, PassResult, register
 from mtkc.pattern import Emit, Op, Or, Var, constant_of, near, replace_uses
 
@@ -92,7 +93,7 @@ class SwiGLU(Pass):
                     result.rewrites += 1
         result.notes.append(f"{len(sites)} SwiGLU sites")
         if result.rewrites:
-            graph.cleanup().toposort()
+            toposort(cleanup(graph))
         return result
 
 
