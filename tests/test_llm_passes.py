@@ -331,3 +331,21 @@ def test_explain_lists_refused_sites_on_the_cli(exported, run_cli, tmp_path):
     text = out + err
     assert "rope: 4 rewrites, 2 misses" in text
     assert text.count("table size unknown: give --seq-len (and --cache-len) or the max_positions option") == 2
+
+
+def test_mask_refuses_untouched_when_the_2d_mask_stays_needed():
+    scores = gs.Variable("scores", np.float32, [1, 1, 2, 2])
+    keep = gs.Variable("attention_mask", np.int64, [1, 2])
+    t = {n: gs.Variable(n, np.float32) for n in ("f", "drop", "bias", "x", "p", "count")}
+    nodes = [gs.Node("Cast", "cast", {"to": 1}, inputs=[keep], outputs=[t["f"]]),
+             gs.Node("Sub", "sub", inputs=[gs.Constant("one", np.array(1.0, np.float32)), t["f"]], outputs=[t["drop"]]),
+             gs.Node("Mul", "mul", inputs=[t["drop"], gs.Constant("big", np.array(-1e9, np.float32))], outputs=[t["bias"]]),
+             gs.Node("Add", "add", inputs=[scores, t["bias"]], outputs=[t["x"]]),
+             gs.Node("Softmax", "softmax", {"axis": -1}, inputs=[t["x"]], outputs=[t["p"]]),
+             gs.Node("ReduceSum", "tokens", {"keepdims": 0}, inputs=[t["f"]], outputs=[t["count"]])]
+    graph = gs.Graph(nodes, [scores, keep], [t["p"], t["count"]], opset=17)
+    result = mask.Mask().run(graph, _ctx(seq_len=2))
+    assert result.rewrites == 0 and [n.name for n in graph.nodes] == [n.name for n in nodes]
+    assert [(m.node, m.reason) for m in result.misses] == \
+        [("cast", "'attention_mask' would still be read by 1 node(s) (bind shapes and fold first)")]
+    assert [(t.name, t.dtype) for t in graph.inputs] == [("scores", np.float32), ("attention_mask", np.int64)]
