@@ -14,8 +14,9 @@ Matched (anchor: each Softmax):
 Emitted: a graph input `attention_mask` float32 [1, 1, T, C+T] (T = seq_len, C = cache_len, 0
 without cache), 0 where a key is visible and `mask_value` (default -100, finite) where it is not,
 feeding every site's Add. The guards that zero fully-masked rows, Where(c, 0, x) with c derived
-from the mask, go (a finite mask has no fully-masked row), and
-the 2-D input is removed — unless something else still reads it (unbound shapes: a miss says so).
+from the mask, go (a finite mask has no fully-masked row), and the 2-D input is removed.
+Refused, leaving the graph untouched: a 2-D mask that something else still needs (unbound
+shapes with a cache; without one, its Shape readers move to input_ids, which has its shape).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class Mask(Pass):
 
     def __init__(self):
         self.value = DEFAULT_VALUE
-        self.replaced: str | None = None  # name of the removed 2-D input
+        self.replaced: str | None = None  # the removed 2-D input's name (map_feeds reads it)
 
     def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
         result = PassResult()
@@ -86,6 +87,7 @@ class Mask(Pass):
         for reader in readers:  # no cache: the mask is [batch, seq], like input_ids
             reader.inputs[0] = shapes
         self.value = float(ctx.options.get("mask_value") or DEFAULT_VALUE)
+        self.replaced = old.name
         new = self._input(graph, ctx, old)
         for site, index in sites:
             if site.op == "Add":
@@ -97,7 +99,6 @@ class Mask(Pass):
         result.rewrites = len(sites) + drop(graph, guards) + len(readers)
         graph.cleanup().toposort()
         graph.inputs = [t for t in graph.inputs if t is not old]
-        self.replaced = old.name
         return result
 
     def _input(self, graph: gs.Graph, ctx: Context, old: gs.Variable) -> gs.Variable:
@@ -115,10 +116,10 @@ class Mask(Pass):
     def map_feeds(self, feeds: dict, ctx: Context) -> dict:
         """The additive mask equivalent to the 2-D mask (batch 1): key j visible to query i iff
         attention_mask[j] and j <= C + i."""
-        if not self.replaced or NAME not in feeds:
+        if not self.replaced or self.replaced not in feeds:
             return feeds
         feeds = dict(feeds)
-        keep = np.asarray(feeds.pop(NAME))[0].astype(bool)
+        keep = np.asarray(feeds.pop(self.replaced))[0].astype(bool)
         total = keep.shape[0]
         seq = int(ctx.options.get("seq_len") or _feed_seq(feeds) or total)
         past = total - seq
