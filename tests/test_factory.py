@@ -128,3 +128,22 @@ def test_save_and_reload_reference(tmp_path, tiny_model):
     again = factory.load_model(factory.save_model(model, tmp_path / "torch"))
     prompt = [7, 3, 250, 11, 900]
     assert factory.reference_generate(again, prompt, 8) == factory.reference_generate(model, prompt, 8)
+
+
+def test_export_is_deterministic(exported, tiny_model, tmp_path):
+    """A fresh export is byte-identical to the cached one (made by another process, possibly)."""
+    fresh = factory.export(tiny_model("qwen2"), tmp_path, "legacy17", cache=True)
+    assert fresh.read_bytes() == exported("qwen2", "legacy17", cache=True).read_bytes()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exporter", ["legacy17", "dynamo"])
+def test_real_dims_two_layers(tmp_path, exporter):
+    """Qwen2.5-0.5B dimensions (2 layers): logits reach |50|, so the tolerance is relative."""
+    model = factory.build_model("qwen2", "0.5b", layers=2)
+    path = factory.export(model, tmp_path, exporter, cache=True)
+    feeds = [t.numpy() for t in factory.trace_inputs(model.config, True, batch=1, seq=3, past=4, seed=3)]
+    got = _run(path, feeds)
+    ref = factory.reference_logits(model, feeds[0], feeds[1], past=feeds[3:], position_ids=feeds[2])
+    for name, want in zip(got, ref):
+        np.testing.assert_allclose(got[name], want, atol=1e-3, rtol=1e-4, err_msg=name)
