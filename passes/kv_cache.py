@@ -172,17 +172,37 @@ class KvCache(Pass):
     def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
         pasts = past_inputs(graph)
         notes = []
+        self.inserted: dict[str, list] = {}  # no-cache export: new past inputs -> [Hkv, D]
         if pasts:
             layers = _existing_cache(graph, pasts)
         else:
+            old_mask = next((t.name for t in graph.inputs if t.name == "attention_mask"), None)
             notes += _mask_first(graph, ctx)
             layers = insert_cache(graph)
             notes.append(f"no cache I/O in the export: inserted past concat in {len(layers)} attention layers")
+            self.inserted = {l.past[k].name: [l.past[k].shape[1], l.past[k].shape[3]] for l in layers for k in KINDS}
+            self.old_mask = old_mask
         self.renames = _name_io(graph, layers)
         return PassResult(rewrites=len(layers), notes=notes)
 
     def map_feeds(self, feeds, ctx):
-        return {self.renames.get(k, k): v for k, v in feeds.items()}
+        """Renamed cache inputs; a no-cache export gets an empty cache (all slots masked),
+        positions 0..T-1 and the additive mask of its 2-D mask."""
+        feeds = {self.renames.get(k, k): v for k, v in feeds.items()}
+        if not self.inserted:
+            return feeds
+        ids = next(v for k, v in feeds.items() if k in ("input_ids", "hidden_states"))
+        t, c = ids.shape[1], ctx.options.get("cache_len") or DEFAULT_CACHE_LEN
+        keep = np.asarray(feeds.pop(self.old_mask))[0].astype(bool) if self.old_mask in feeds else np.ones(t, bool)
+        mask = np.full((t, c + t), float(ctx.options.get("mask_value") or -100.0), np.float32)
+        mask[:, c:][np.tril(np.ones((t, t), bool)) & keep[None, :]] = 0.0
+        feeds["attention_mask"] = mask[None, None]
+        feeds["position_ids"] = np.arange(t, dtype=np.int64)[None]
+        if self.old_mask is not None:
+            feeds[NEW_TOKEN_MASK] = keep.astype(np.int64)[None]
+        for name, (hkv, d) in self.inserted.items():
+            feeds[name] = np.zeros((1, hkv, c, d), np.float32)
+        return feeds
 
     def map_outputs(self, outputs, ctx):
         return {self.renames.get(k, k): v for k, v in outputs.items()}
@@ -250,6 +270,7 @@ def _name_io(graph: gs.Graph, layers: list[LayerCache]) -> dict[str, str]:
 NEW_TOKEN_MASK = "new_token_mask"
 PROBE_SEQ = 97  # a sequence length no model dimension is likely to equal
 _LAYOUT = {"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Identity", "Cast", "Tile"}
+_FUSED_ATTENTION = {"MultiHeadAttention", "GroupQueryAttention", "Attention", "PackedAttention"}
 _SCORE_PATH = {"Add", "Where", "Mul", "Div", "Cast", "Sub"}
 _PROB_PATH = {"Cast", "Where", "IsNaN", "Identity"}
 
@@ -296,9 +317,12 @@ def insert_cache(graph: gs.Graph) -> list[LayerCache]:
             continue
         sites.append((_kv_entry(qk.inputs[1]), _kv_entry(pv.inputs[1])))
     if not sites:
+        fused = sorted({n.op for n in graph.nodes if n.op in _FUSED_ATTENTION})
         raise InputError(
             "model has no KV-cache inputs (past_key_values.*) and no attention (MatMul -> Softmax -> MatMul) "
-            "whose K/V could be cut; cannot build prefill/decode graphs")
+            "whose K/V could be cut; cannot build prefill/decode graphs"
+            + (f" (attention is fused as {', '.join(fused)}: export with cache I/O, or without ORT fusions)"
+               if fused else ""))
     probe = _probe_shapes(graph)
     names = NodeNames(graph)
     layers = []
@@ -564,6 +588,12 @@ class LayerChunks(Pass):
             outputs.insert(0, out)
         else:
             outputs.insert(0, next(o for o in graph.outputs if o.name == "logits"))
+        self.kept = {o.name for o in outputs}
+        self.prefix = None
+        if first > 0 and ctx.options.get("verify_each"):  # map_feeds computes hidden_states with it
+            self.prefix = graph.copy()
+            self.prefix.outputs = [self.prefix.tensors()[bounds[first].name]]
+            self.prefix.cleanup(remove_unused_graph_inputs=True)
         if first > 0:
             cut = bounds[first]
             for x in graph.inputs:
@@ -579,6 +609,17 @@ class LayerChunks(Pass):
         graph.cleanup(remove_unused_graph_inputs=True)
         contract_order(graph)
         return PassResult(rewrites=1, notes=[f"chunk {k}/{n}: layers {first}..{last - 1}"])
+
+    def map_feeds(self, feeds, ctx):
+        if self.prefix is None:
+            return feeds
+        from mtkc.execute import run
+
+        hidden = next(iter(run(self.prefix, {t.name: feeds[t.name] for t in self.prefix.inputs}, ctx.root).values()))
+        return {**feeds, "hidden_states": hidden}
+
+    def map_outputs(self, outputs, ctx):
+        return {k: v for k, v in outputs.items() if k in self.kept}
 
 
 _IO_ORDER = ("input_ids", "hidden_states", "attention_mask", "position_ids", "pos_emb", "logits", "hidden_states_out")
