@@ -1,7 +1,8 @@
 """Greedy generation through compiled prefill/decode graphs equals transformers' generate.
 
 Four compiles cover every axis twice (family, exporter, cache in the export, chunks, cache_io,
-rope_mode); T=8, C=64; prompts shorter than, equal to and longer than T.
+rope_mode); T=8, C=64; prompts shorter than, equal to and longer than T. Two of them compile with
+--verify-each (every pass, chunk cuts included, keeps the numbers of the input model).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ T, C, NEW = 8, 64, 32
 PROMPTS = {"short": [5, 17, 300], "equal": list(range(10, 18)), "long": list(range(40, 53))}
 CASES = {  # name: (family, exporter, cache export, options)
     "qwen2-cache-1-new": ("qwen2", "legacy17", True, {"chunks": 1, "cache_io": "new"}),
-    "qwen2-nocache-2-sliding": ("qwen2", "legacy17", False, {"chunks": 2, "cache_io": "sliding"}),
-    "llama-cache-2-new-posemb": ("llama", "legacy17", True, {"chunks": 2, "cache_io": "new", "rope_mode": "pos_emb"}),
+    "qwen2-nocache-2-sliding": ("qwen2", "legacy17", False, {"chunks": 2, "cache_io": "sliding", "verify_each": True}),
+    "llama-cache-2-new-posemb": ("llama", "legacy17", True, {"chunks": 2, "cache_io": "new", "rope_mode": "pos_emb",
+                                                              "verify_each": True}),
     "llama-dynamo-nocache-1-sliding": ("llama", "dynamo", False, {"chunks": 1, "cache_io": "sliding"}),
 }
 
