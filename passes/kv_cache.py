@@ -1,23 +1,15 @@
 """KV cache: a decoder export -> static prefill / decode graphs over a fixed-size cache.
 
-NOTE for compile / the pass manager (helper P) -- how variants work (K asks for these edits):
-  1. compile_model runs the pipeline once per variant, each on a fresh `load(model_path)`:
-         plan = mtkc.passes.kv_cache.variants(model.graph, options)   # [Variant(name, overrides)]
-         for v in plan: compiled = compile_graph(m, sdk, {**options, **v.options}, table)
-                        -> GraphVariant(v.name, m.graph); all graphs through ONE WeightWriter
-     `variants` gives [Variant("model", {})] for a model without KV cache (today's behaviour);
-     for a KV model: prefill (seq_len=T, default 128) and decode (seq_len=1), both cache_len=C
-     (default 512), plus kv_cache=True, variant, cache_io, chunks=N, chunk=k, max_positions.
-     Names: `prefill`, `decode`; with chunks N > 1: `prefill_0..N-1`, `decode_0..N-1`.
-     KV mode: options["kv_cache"] True, or None (auto) and the model has cache inputs.
-  2. Host tables the runtime needs (embedding rows when the graph takes hidden_states; cos/sin
-     rows for rope_mode=pos_emb): `mtkc.generate.host_tables(compiled.pipeline.passes, m.values)`
-     after each run, then `manifest["host"] = mtkc.generate.write_host_tables(stage_dir, tables)`.
-  3. Pipeline order: `kv-cache` FIRST (before bind-shapes: it finds/inserts the cache while
-     shapes are still computed by Shape ops, so a no-cache export gets a working past concat);
-     `kv-cache-io` then `layer-chunks` LAST (after the final fold/cleanup).
-  4. CLI (compile): `--kv-cache/--no-kv-cache`, `--cache-io new|sliding`, `--chunks N`
-     -> options kv_cache, cache_io, chunks.
+How compile uses this module (`mtkc.compile`): `variants(graph, options)` plans the graphs,
+and the pipeline runs once per variant on a fresh load, all graphs through one WeightWriter:
+    model                       a model without KV cache (options kv_cache False, or None and
+                                no cache inputs)
+    prefill, decode             seq_len T (default 128) / 1, both cache_len C (default 512)
+    prefill_<k>, decode_<k>     with chunks N > 1, k = 0..N-1
+Overrides per variant: kv_cache, variant, seq_len, cache_len, cache_io, chunks, chunk,
+max_positions (C + T for both, so RoPE tables are the same constant). Pipeline order:
+`kv-cache` first (before bind-shapes: a no-cache export still computes its shapes with Shape
+ops, so an inserted past concat propagates), `kv-cache-io` and `layer-chunks` last.
 
 Three passes, one idea (the cache contract of MediaTek's LLM runtime, ExecuTorch mediatek/):
 
@@ -30,8 +22,11 @@ Three passes, one idea (the cache contract of MediaTek's LLM runtime, ExecuTorch
                                                           present.{i}.key ─► attention
   ->  inputs  past_key_<i> / past_value_<i> [1,Hkv,C,D] (besides input_ids, attention_mask, ...)
       outputs logits [1,T,V], present_key_<i> / present_value_<i> = the concat [1,Hkv,C+T,D].
-  In an export without cache I/O, K and V are cut where they enter attention (after RoPE, before
-  repeat_kv) and `Concat(past, new, axis=2)` is inserted. Refuses (InputError) a model with neither.
+  In an export without cache I/O (see `insert_cache`): the mask pass runs first (its additive
+  [1,1,T,C+T] mask replaces the [B,1,T,T] construction), K and V are cut where they enter
+  attention (after RoPE, before repeat_kv), `Concat(past, new, axis=2)` is inserted, the
+  repeat_kv/Kᵀ shape targets are made length-free, and RoPE reads a new `position_ids` input.
+  Refuses (InputError) a model with neither cache inputs nor a Softmax attention (fused ops named).
 
 * `kv-cache-io` makes the present outputs what the runtime keeps (`cache_io`):
       new      present_<kv>_<i> = the concat's `new` input      [1,Hkv,T,D] (runtime writes it in)
