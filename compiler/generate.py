@@ -163,12 +163,11 @@ class Generator:
 
     def step(self, stages: list[Stage], tokens: list[int]) -> np.ndarray:
         """Run `tokens` (at most T) through one prefill or decode pass; returns their logits [k, V]."""
-        t, k, c = stages[0].tokens, len(tokens), self.cache_len
+        t, k = stages[0].tokens, len(tokens)
         ids = np.zeros((1, t), np.int64)
         ids[0, :k] = tokens
         positions = self.filled + np.minimum(np.arange(t), k - 1)
-        feeds = {"input_ids": ids, "position_ids": positions[None].astype(np.int64),
-                 "attention_mask": None, "pos_emb": None}
+        feeds = {"input_ids": ids, "position_ids": positions[None]}
         hidden = None
         for stage in stages:
             feed = {}
@@ -189,7 +188,7 @@ class Generator:
                 feed[name] = value.reshape(shape) if shape else value
             result = dict(zip(stage.outputs, stage.session.run(stage.outputs, feed)))
             hidden = result.get("hidden_states_out")
-            self._update(result, k, t)
+            self._update(result, k)
             logits = result.get("logits")
         self._advance(k, t)
         return logits[0, :k]
@@ -204,7 +203,7 @@ class Generator:
         mask[:, c:][causal] = 0.0
         return mask[None, None]
 
-    def _update(self, result: dict[str, np.ndarray], k: int, t: int) -> None:
+    def _update(self, result: dict[str, np.ndarray], k: int) -> None:
         for name, value in result.items():
             m = _PRESENT.match(name)
             if not m:
