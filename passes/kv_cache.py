@@ -173,7 +173,7 @@ class KvCache(Pass):
         else:
             old_mask = next((t.name for t in graph.inputs if t.name == "attention_mask"), None)
             notes += _mask_first(graph, ctx)
-            layers = insert_cache(graph)
+            layers = insert_cache(graph, ctx.root)
             notes.append(f"no cache I/O in the export: inserted past concat in {len(layers)} attention layers")
             self.inserted = {l.past[k].name: [l.past[k].shape[1], l.past[k].shape[3]] for l in layers for k in KINDS}
             self.old_mask = old_mask
@@ -287,7 +287,7 @@ def _mask_first(graph: gs.Graph, ctx: Context) -> list[str]:
     return [f"mask: {m.node}: {m.reason}" for m in result.misses]
 
 
-def insert_cache(graph: gs.Graph) -> list[LayerCache]:
+def insert_cache(graph: gs.Graph, root=None) -> list[LayerCache]:
     """Cut K and V where they enter each attention and splice `Concat(past, new, axis=2)` in.
 
         MatMul(Q, ·Kᵀ) ─ [Add mask | Where | Mul] ─ Softmax ─ [Where | Cast]* ─ MatMul(·, V)
@@ -301,7 +301,7 @@ def insert_cache(graph: gs.Graph) -> list[LayerCache]:
     Positions: a no-cache export counts them from 0 (Range); the Range feeding cos/sin is
     replaced by a new `position_ids` input, so decode rows get their real position.
     """
-    shapes.infer(graph)
+    shapes.infer(graph, root)
     sites = []
     for softmax in graph.nodes:
         if softmax.op != "Softmax":
@@ -318,7 +318,7 @@ def insert_cache(graph: gs.Graph) -> list[LayerCache]:
             "whose K/V could be cut; cannot build prefill/decode graphs"
             + (f" (attention is fused as {', '.join(fused)}: export with cache I/O, or without ORT fusions)"
                if fused else ""))
-    probe = _probe_shapes(graph)
+    probe = _probe_shapes(graph, root)
     names = NodeNames(graph)
     layers = []
     for i, entries in enumerate(sites):
@@ -344,7 +344,7 @@ def insert_cache(graph: gs.Graph) -> list[LayerCache]:
     return layers
 
 
-def _probe_shapes(graph: gs.Graph) -> dict[str, list]:
+def _probe_shapes(graph: gs.Graph, root=None) -> dict[str, list]:
     """Tensor shapes with every symbolic input dim set to 1 (batch) or PROBE_SEQ (the rest):
     static Hkv and D where symbolic inference leaves them unknown (TorchScript's runtime
     reshapes), and the sequence axis recognisable by its value."""
@@ -353,7 +353,7 @@ def _probe_shapes(graph: gs.Graph) -> dict[str, list]:
         t.shape = [d if isinstance(d, int) else (1 if axis == 0 else PROBE_SEQ) for axis, d in enumerate(t.shape or [])]
         if t.name == "attention_mask" and len(t.shape) == 4:  # additive, no past yet: [1, 1, S, S]
             t.shape = [1, 1, PROBE_SEQ, PROBE_SEQ]
-    shapes.infer(probe)
+    shapes.infer(probe, root)
     return {name: t.shape for name, t in probe.tensors().items()}
 
 
