@@ -134,3 +134,11 @@ def test_mask_rows_and_cache_validity(compiled):
     assert (mask[:, :3] == 0).all() and (mask[:, 3:C] == -100).all()
     new = mask[:, C:] == 0
     assert np.array_equal(new[:5, :5], np.tril(np.ones((5, 5), bool))) and not new[:, 5:].any()
+
+
+def test_mtkc_check_cli_accepts_a_compiled_decode_graph(compiled, run_cli):
+    code, stdout, stderr = run_cli("check", compiled("llama-dynamo-nocache-1-sliding") / "decode.onnx",
+                                   "--sdk", "8.0", "--format", "json")
+    assert code == 0, stderr
+    report = json.loads(stdout)
+    assert report["coverage"]["raw"] == 1.0 and report["unsupported"] == []
