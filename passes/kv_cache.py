@@ -579,7 +579,7 @@ class LayerChunks(Pass):
         if last < len(layers):
             out = bounds[last]
             out.name = "hidden_states_out"
-            out.dtype = out.dtype or np.float32
+            out.dtype, out.shape = out.dtype or np.float32, _hidden_shape(out, ctx)
             outputs.insert(0, out)
         else:
             outputs.insert(0, next(o for o in graph.outputs if o.name == "logits"))
@@ -594,7 +594,7 @@ class LayerChunks(Pass):
             for x in graph.inputs:
                 if x.name == "hidden_states":  # chunk 0's input (host embedding): dead here
                     x.name = "hidden_states/embedded"
-            hidden = gs.Variable("hidden_states", cut.dtype or np.float32, cut.shape)
+            hidden = gs.Variable("hidden_states", cut.dtype or np.float32, _hidden_shape(cut, ctx))
             for node in list(cut.outputs):
                 for j, x in enumerate(node.inputs):
                     if x is cut:
@@ -615,6 +615,14 @@ class LayerChunks(Pass):
 
     def map_outputs(self, outputs, ctx):
         return {k: v for k, v in outputs.items() if k in self.kept}
+
+
+def _hidden_shape(tensor: gs.Tensor, ctx: Context):
+    """[1, T, H]: the residual stream's bound shape (a fused op's output may keep export symbols)."""
+    shape = tensor.shape
+    if shape is None or len(shape) != 3:
+        return shape
+    return [1, ctx.options.get("seq_len") or shape[1], shape[2]]
 
 
 _IO_ORDER = ("input_ids", "hidden_states", "attention_mask", "position_ids", "pos_emb", "logits", "hidden_states_out")
