@@ -1,10 +1,13 @@
-"""The main job on a built-in example: a random-weight Qwen2.5-architecture model, exported, then checked.
+"""The main job on a built-in example: a random-weight Qwen2.5-architecture model, end to end.
 
     python examples/qwen_tiny.py                       # tiny, legacy opset 17 with KV cache
     python examples/qwen_tiny.py --exporter dynamo --size 0.5b --out /tmp/qwen
 
 Builds the model from a transformers config (no download), exports it to OUT/export/model.onnx,
-then runs `mtkc check` for NeuroPilot 6.0 and 9.0 with the sequence and cache lengths bound.
+runs `mtkc check` for NeuroPilot 6.0 and 9.0 with the sequence and cache lengths bound, then
+`mtkc compile` for SDK 8.0 (static prefill + decode graphs over the KV cache; no converter is
+installed here, so OUT/compiled/convert.sh holds the commands), `mtkc verify` against the export,
+and `mtkc generate`, whose greedy tokens must equal transformers' `generate(do_sample=False)`.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from mtkc import cli, factory
+from mtkc import cli, factory, generate
 
 SDKS = ("6.0", "9.0")
+COMPILE_SDK = "8.0"
+MAX_NEW_TOKENS = 16
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +51,29 @@ def main(argv: list[str] | None = None) -> int:
         code = cli.main(["check", str(path), "--sdk", sdk, *shapes])
         sys.stdout.flush()
         worst = max(worst, code)
-    return worst
+    if worst > 1:  # 1 = CPU fallback under --strict; anything else is a failure
+        return worst
+
+    compiled = out / "compiled"
+    steps = [
+        ["compile", str(path), "--sdk", COMPILE_SDK, *shapes, "-o", str(compiled), "--overwrite", "--no-convert"],
+        ["verify", str(compiled), "--samples", "2"],
+    ]
+    for step in steps:
+        print(f"\n== mtkc {' '.join(step[:1] + step[2:4])}", flush=True)
+        code = cli.main(step)
+        if code:
+            return code
+    if args.cache:
+        prompt = [11, 22, 33, 44, 55]
+        tokens = generate.generate(compiled, prompt, MAX_NEW_TOKENS)
+        reference = factory.reference_generate(model, prompt, MAX_NEW_TOKENS)
+        same = tokens == reference
+        print(f"\n== mtkc generate --prompt-ids {','.join(map(str, prompt))}\n{tokens}")
+        print(f"transformers generate(do_sample=False): {'identical' if same else reference}")
+        if not same:
+            return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -118,7 +118,7 @@ def _convert_constants(graph: gs.Graph, ctx: Context, names: gu.Names, misses: l
                 v = gu.values(t, ctx)
                 if clamp:
                     v = np.clip(v, I32.min, I32.max)
-                done[key] = gs.Constant(names.new(f"{t.name}/i32"), v.astype(np.int32)) if _fits(v) else None
+                done[key] = gs.Constant(names.new(f"{t.name}/i32"), np.asarray(v, dtype=np.int32)) if _fits(v) else None
             if done[key] is None:
                 misses.append(Miss(node.name, f"constant '{t.name}' has values outside int32"))
                 continue
