@@ -16,15 +16,15 @@ Chunks (`prefill_0..N-1`) run in order; chunk k's `hidden_states_out` is chunk k
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from mtkc.errors import InputError
@@ -225,20 +225,54 @@ class Generator:
 def host_tables(passes, read_values) -> dict[str, np.ndarray | Callable[[], np.ndarray]]:
     """Tables the host needs after a pipeline run, from the pass instances that moved them out:
     `embedding` [V, H] (embedding pass, host-input mode) and `rope` [2, max_pos, D] (cos, sin;
-    rope pass, pos_emb mode). The embedding is a weight: a callable that reads it when written."""
+    rope pass, pos_emb mode). The embedding is a weight: a `WeightTable`, read only when written."""
     tables = {}
     for p in passes:
         lookups = getattr(p, "lookups", None) if p.name == "embedding" else None
         if lookups:
-            tables["embedding"] = functools.partial(_float32, read_values, lookups[0][1])
+            tables["embedding"] = WeightTable(lookups[0][1], read_values)
         rope = getattr(p, "tables", None) if p.name == "rope" else None
         if rope and "cos" in rope and "sin" in rope:
             tables["rope"] = np.stack([rope["cos"], rope["sin"]]).astype(np.float32)
     return tables
 
 
-def _float32(read_values, const) -> np.ndarray:
-    return np.asarray(read_values(const), np.float32)
+@dataclass(frozen=True)
+class WeightTable:
+    """A host table that is a model weight: read when called, streamed file-to-file when saved."""
+
+    const: Any  # gs.Constant
+    read_values: Callable
+
+    def __call__(self) -> np.ndarray:
+        return np.asarray(self.read_values(self.const), np.float32)
+
+
+def _stream_npy(table: WeightTable, path: Path) -> bool:
+    """Write a float32 external weight as .npy by copying its bytes (never held in memory);
+    False when it is not such a weight. Same bytes as `np.save` of its values."""
+    from mtkc.model import ExternalValues, external_info
+    from mtkc.model_checks import ExternalDataError, external_fields, external_size, open_external
+
+    values = table.const._values
+    if not isinstance(values, ExternalValues) or values.tensor.data_type != onnx.TensorProto.FLOAT:
+        return False
+    proto, location = values.tensor, external_info(values.tensor).get("location", "")
+    try:
+        _, offset, _ = external_fields(proto)
+        remaining = external_size(proto)
+        with open_external(values.root, location) as src, open(path, "wb") as out:
+            np.lib.format.write_array_header_1_0(out, {"descr": "<f4", "fortran_order": False, "shape": tuple(proto.dims)})
+            src.seek(offset)
+            while remaining:
+                block = src.read(min(16 << 20, remaining))
+                if not block:
+                    raise ExternalDataError("external data is truncated")
+                out.write(block)
+                remaining -= len(block)
+    except (ExternalDataError, OSError) as exc:
+        raise InputError(f"{values.root / location}: tensor '{proto.name}': {exc}") from None
+    return True
 
 
 def write_host_tables(out_dir: str | Path, tables: dict) -> dict[str, dict]:
@@ -246,9 +280,13 @@ def write_host_tables(out_dir: str | Path, tables: dict) -> dict[str, dict]:
     returns the manifest's `host` entry."""
     entries = {}
     for name, table in sorted(tables.items()):
-        table = table() if callable(table) else table
         path = Path(out_dir) / "host" / f"{name}.npy"
         path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(table, WeightTable) and _stream_npy(table, path):
+            shape = list(table.const.shape)
+            entries[name] = {"path": f"host/{name}.npy", "dtype": "float32", "shape": shape}
+            continue
+        table = table() if callable(table) else table
         np.save(path, table)
         entries[name] = {"path": f"host/{name}.npy", "dtype": str(table.dtype), "shape": list(table.shape)}
     return entries

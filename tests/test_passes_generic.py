@@ -139,6 +139,22 @@ def _graph(nodes, inputs, outputs, opset=17):
     return gs.Graph(nodes=nodes, inputs=inputs, outputs=outputs, opset=opset)
 
 
+def test_fold_keeps_big_transpose_of_a_lazy_weight(monkeypatch):
+    """The tied lm_head case: Transpose(W) of a weight still on disk is not read nor stored twice."""
+    monkeypatch.setattr(fold, "FOLD_MAX_ELEMENTS", 8)
+    w = gs.Constant("w", gs.ir.tensor.LazyValues(onnx.numpy_helper.from_array(np.ones((3, 4), np.float32), "w")))
+    x = gs.Variable("x", np.float32, [4, 3])
+    wt, y = gs.Variable("wt"), gs.Variable("y", np.float32)
+    nodes = [gs.Node("Transpose", name="lm_head_t", attrs={"perm": [1, 0]}, inputs=[w], outputs=[wt]),
+             gs.Node("Add", inputs=[x, wt], outputs=[y])]
+    graph = _graph(nodes, [x], [y])
+    shapes.infer(graph)
+    result = fold.Fold().run(graph, Context(table=None))
+    assert [n.op for n in graph.nodes] == ["Transpose", "Add"]
+    assert [m.reason for m in result.misses if m.node == "lm_head_t"] == [
+        "Transpose of weight 'w' (12 elements) kept: folding would read it and store it twice"]
+
+
 def test_fold_size_policy(monkeypatch):
     monkeypatch.setattr(fold, "FOLD_MAX_ELEMENTS", 8)
     w = gs.Constant("w", np.arange(12, dtype=np.float32).reshape(3, 4))
