@@ -184,7 +184,7 @@ def _constant_key(t: gs.Constant) -> tuple | None:
             return ("ext", proto.data_type, tuple(proto.dims), info.get("location"), info.get("offset", "0"), info.get("length"))
     if gu.nbytes(t) > HASH_BYTES:
         return None
-    v = np.ascontiguousarray(gu.values(t))
+    v = gu.values(t)  # not ascontiguousarray: it turns a 0-d array into a 1-d one
     return ("mem", v.dtype.str, v.shape, hashlib.sha1(v.tobytes()).hexdigest())
 
 

@@ -230,6 +230,21 @@ def test_cleanup_dedupes_external_constants_without_reading():
     assert len(graph.nodes) == 2 and graph.nodes[-1].inputs[0] is graph.nodes[-1].inputs[1]
 
 
+def test_cleanup_keeps_0d_and_1d_constants_with_equal_bytes_apart():
+    """ortopt's Concat of Unsqueeze outputs and a [2]: merging it with a scalar 2 broke the Concat."""
+    x = gs.Variable("x", np.int64, [])
+    u, shape, y = gs.Variable("u", np.int64, [1]), gs.Variable("shape", np.int64, [2]), gs.Variable("y", np.int64, [])
+    nodes = [gs.Node("Unsqueeze", inputs=[x, gs.Constant("axes", np.array([0]))], outputs=[u]),
+             gs.Node("Concat", attrs={"axis": 0}, inputs=[u, gs.Constant("a_one_d", np.array([2]))], outputs=[shape]),
+             gs.Node("ReduceSum", attrs={"keepdims": 0}, inputs=[shape], outputs=[y]),
+             gs.Node("Add", inputs=[y, gs.Constant("a_scalar", np.array(2))], outputs=[gs.Variable("z", np.int64, [])])]
+    graph = _graph(nodes, [x], [nodes[-1].outputs[0]])
+    feeds = {"x": np.array(5, np.int64)}
+    cleanup.Cleanup().run(graph, Context(table=None))
+    assert graph.nodes[1].inputs[1].shape == (1,) and graph.nodes[3].inputs[1].shape == ()
+    assert execute.run(graph, feeds)["z"] == 9
+
+
 # --- int64-to-int32 ---------------------------------------------------------------------------
 
 
