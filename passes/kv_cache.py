@@ -178,7 +178,7 @@ class KvCache(Pass):
             self.inserted = {l.past[k].name: [l.past[k].shape[1], l.past[k].shape[3]] for l in layers for k in KINDS}
             self.old_mask = old_mask
         self.renames = _name_io(graph, layers)
-        return PassResult(rewrites=len(layers), notes=notes)
+        return PassResult(rewrites=len(self.renames) if pasts else len(layers), notes=notes)
 
     def map_feeds(self, feeds, ctx):
         """Renamed cache inputs; a no-cache export gets an empty cache (all slots masked),
