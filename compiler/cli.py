@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from mtkc import __version__
@@ -55,14 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mtkc: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout closed early (`mtkc passes | head`): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as exc:  # a bug: one line, and how to report it
         print(
             f"mtkc: internal error: {type(exc).__name__}: {exc}. This is a bug in mtkc; "
             "rerun with MTKC_TRACEBACK=1 and report the output.",
             file=sys.stderr,
         )
-        import os
-
         if os.environ.get("MTKC_TRACEBACK"):
             raise
         return 4
