@@ -101,6 +101,28 @@ def test_left_padding_still_matches(exported):
     _compare(path, model, feeds, instances)
 
 
+def test_cache_len_on_a_no_cache_export_is_ignored(exported):
+    """--cache-len with a no-cache model: the mask input stays [1,1,T,T] (was T+C: int64-to-int32 failed)."""
+    from mtkc.capability import load_table
+    from mtkc.pass_manager import load_registry, resolve_pipeline
+    from mtkc.pass_manager import run_pipeline as run_passes
+
+    path = exported("llama", "legacy14", False)
+    model = mtkc_model.load(path)
+    ctx = Context(load_table("6.0"), {"seq_len": 8, "cache_len": 16}, model.root, model.values)
+    pipeline = resolve_pipeline(load_registry(), ctx, None)
+    feeds = {"input_ids": np.arange(3, 11, dtype=np.int64)[None], "attention_mask": np.ones((1, 8), np.int64)}
+    feeds.update({t.name: np.arange(8, dtype=np.int64)[None] for t in model.graph.inputs if t.name == "position_ids"})
+    expected = execute.run(mtkc_model.load(path).graph, feeds, model.root)
+    run_passes(model.graph, pipeline, ctx)
+    assert {t.name: list(t.shape) for t in model.graph.inputs}["attention_mask"] == [1, 1, 8, 8]
+    for p in pipeline.passes:
+        feeds = p.map_feeds(feeds, ctx)
+    actual = execute.run(model.graph, {t.name: feeds[t.name] for t in model.graph.inputs}, model.root)
+    name = model.graph.outputs[0].name
+    np.testing.assert_allclose(actual[name], expected[name], atol=1e-4, rtol=1e-4)
+
+
 # --- bind-shapes ------------------------------------------------------------------------------
 
 
