@@ -123,8 +123,20 @@ def ensure_export(cache: Path, size: str, layers: int) -> Path:
     )
     print(f"exporting {out.name} (once; minutes, several GB of RAM) ...", file=sys.stderr)
     subprocess.run([sys.executable, "-c", script], check=True)
+    subprocess.run([sys.executable, "-c", _EXTERNAL, str(tmp / "model.onnx")], check=True)
     os.replace(tmp, out)
     return model
+
+
+# Under 2 GB the exporter keeps weights inline; move them out, one file per tensor as it does
+# past 2 GB, so every size and layer count has the same layout.
+_EXTERNAL = """
+import onnx, os, sys
+path = sys.argv[1]
+if len(os.listdir(os.path.dirname(path))) == 1:
+    m = onnx.load(path)
+    onnx.save_model(m, path, save_as_external_data=True, all_tensors_to_one_file=False, size_threshold=1024)
+"""
 
 
 def weight_files(model: Path) -> list[Path]:
