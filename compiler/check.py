@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 
 from mtkc import capability, shapes
@@ -179,45 +177,5 @@ def bind_and_type(graph: gs.Graph, ctx: Context) -> list[str]:
     if bind.applies(ctx):
         bind.run(graph, ctx)
     else:
-        shapes.infer(graph, ctx.root)
-    finish_shapes(graph, ctx.root)
+        shapes.infer(graph, ctx.root)  # with onnxruntime's symbolic fallback
     return sorted({d for t in graph.inputs for d in t.shape or () if isinstance(d, str) and not d.isdigit()})
-
-
-def finish_shapes(graph: gs.Graph, root: Path | None = None) -> None:
-    """When the graph inputs are static but some tensor is not, run onnxruntime's symbolic shape
-    inference: it follows the Shape/Gather/Concat/Expand chains of TorchScript exports that ONNX
-    data propagation gives up on, and knows com.microsoft ops (weights stripped)."""
-    if not all(_static(t) for t in graph.inputs) or all(_static(t) for t in graph.tensors().values()):
-        return
-    try:
-        inferred = _symbolic_infer(shapes.stripped_proto(graph, root))
-    except Exception as exc:  # it raises bare Exceptions on ops it cannot handle
-        log.debug("symbolic shape inference failed: %s", exc)
-        return
-    tensors = graph.tensors()
-    for vi in [*inferred.graph.value_info, *inferred.graph.output]:
-        t = tensors.get(vi.name)
-        if isinstance(t, gs.Variable) and not _static(t) and vi.type.HasField("tensor_type"):
-            dims = vi.type.tensor_type.shape.dim
-            if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
-                t.shape = [d.dim_value for d in dims]
-                if t.dtype is None and vi.type.tensor_type.elem_type:
-                    t.dtype = onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
-
-
-def _symbolic_infer(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """`SymbolicShapeInference.infer_shapes` minus its failure path, which saves the model to the
-    working directory and raises: the tensors typed before the first op it cannot handle are kept."""
-    SymbolicShapeInference = shapes.symbolic_shape_inference()
-
-    sym = SymbolicShapeInference(int_max=2**31 - 1, auto_merge=True, guess_output_rank=False, verbose=0)
-    sym._preprocess(proto)
-    while sym.run_:
-        sym._infer_impl()
-    sym._update_output_from_vi()
-    return sym.out_mp_
-
-
-def _static(t: gs.Tensor) -> bool:
-    return isinstance(t, gs.Constant) or (t.shape is not None and all(isinstance(d, int) for d in t.shape))

@@ -6,11 +6,17 @@ proto stays tiny, far below 2 GB), while small constants -- the int64 shape oper
 scalars that ONNX data propagation needs as VALUES to follow Shape -> Gather -> Concat ->
 Reshape chains -- stay inline. Inference is ONNX's own (`data_prop=True`). Outputs of nodes
 ONNX has no schema for (other domains, or ops newer than the graph's opset) keep theirs.
+
+Fallback: when every graph input is static but some tensor is still not, onnxruntime's symbolic
+shape inference runs on the same stripped copy (`finish`): it follows the Shape/Gather/Concat/
+Expand chains of TorchScript exports that ONNX data propagation gives up on, and knows the
+com.microsoft ops. It only fills shapes that are still not static.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 
 import onnx
@@ -21,6 +27,7 @@ from onnx_graphsurgeon.importers.onnx_importer import get_onnx_tensor_dtype, get
 from mtkc import graph_utils as gu
 
 INLINE_BYTES = gu.SMALL_BYTES
+log = logging.getLogger(__name__)
 
 
 def infer(graph: gs.Graph, root: Path | None = None) -> None:
@@ -37,6 +44,42 @@ def infer(graph: gs.Graph, root: Path | None = None) -> None:
         shape = get_onnx_tensor_shape(vi)
         if shape is not None:
             tensor.shape = shape
+    finish(graph, root)
+
+
+def finish(graph: gs.Graph, root: Path | None = None) -> None:
+    """onnxruntime's symbolic shape inference for what ONNX left non-static, when the inputs are static."""
+    if not all(_static(t) for t in graph.inputs) or all(_static(t) for t in graph.tensors().values()):
+        return
+    try:
+        inferred = _symbolic_infer(stripped_proto(graph, root))
+    except Exception as exc:  # it raises bare Exceptions on ops it cannot handle
+        log.debug("symbolic shape inference failed: %s", exc)
+        return
+    tensors = graph.tensors()
+    for vi in [*inferred.graph.value_info, *inferred.graph.output]:
+        t = tensors.get(vi.name)
+        if isinstance(t, gs.Variable) and not _static(t) and vi.type.HasField("tensor_type"):
+            dims = vi.type.tensor_type.shape.dim
+            if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
+                t.shape = [d.dim_value for d in dims]
+                if t.dtype is None and vi.type.tensor_type.elem_type:
+                    t.dtype = onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
+
+
+def _symbolic_infer(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """`SymbolicShapeInference.infer_shapes` minus its failure path, which saves the model to the
+    working directory and raises: the tensors typed before the first op it cannot handle are kept."""
+    sym = symbolic_shape_inference()(int_max=2**31 - 1, auto_merge=True, guess_output_rank=False, verbose=0)
+    sym._preprocess(proto)
+    while sym.run_:
+        sym._infer_impl()
+    sym._update_output_from_vi()
+    return sym.out_mp_
+
+
+def _static(t: gs.Tensor) -> bool:
+    return isinstance(t, gs.Constant) or (t.shape is not None and all(isinstance(d, int) for d in t.shape))
 
 
 def stripped_proto(graph: gs.Graph, root: Path | None = None) -> onnx.ModelProto:

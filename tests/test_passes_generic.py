@@ -154,6 +154,23 @@ def test_bind_shapes_evaluates_hf_symbols_and_numeric_strings(tmp_path):
     assert list(x.shape) == [1, 2, 7, 16] and list(ids.shape) == [1, 3]
 
 
+def test_shapes_infer_falls_back_to_symbolic_inference(tmp_path, monkeypatch):
+    """ONNX has no schema for com.microsoft ops: onnxruntime's symbolic inference types what follows."""
+    monkeypatch.chdir(tmp_path)
+    x = gs.Variable("x", np.float32, [2, 4])
+    gamma = gs.Constant("gamma", np.ones(4, np.float32))
+    y, z = gs.Variable("y"), gs.Variable("z")
+    odd = gs.Variable("odd")  # an op nobody knows: inference stops there, nothing is written to the cwd
+    nodes = [gs.Node("SimplifiedLayerNormalization", domain="com.microsoft", attrs={"axis": -1, "epsilon": 1e-6},
+                     inputs=[x, gamma], outputs=[y]),
+             gs.Node("Relu", inputs=[y], outputs=[z]),
+             gs.Node("Mystery", domain="com.example", inputs=[z], outputs=[odd])]
+    graph = _graph(nodes, [x], [z, odd])
+    shapes.infer(graph)
+    assert (list(y.shape), list(z.shape), y.dtype, odd.shape) == ([2, 4], [2, 4], np.float32, None)
+    assert list(tmp_path.iterdir()) == []
+
+
 # --- fold -------------------------------------------------------------------------------------
 
 
