@@ -31,9 +31,10 @@ T, C = 3, 4
 FUSED = {"RMSNormalization", "RotaryEmbedding", "Attention", "MultiHeadAttention", "GroupQueryAttention",
          "SkipSimplifiedLayerNormalization"}
 FORBIDDEN = {"Sin", "Cos", "Range", "Where", "IsNaN", "Neg", "GatherND"} | FUSED
-EXPORTS = [("qwen2", e, cache) for e in ("legacy14", "legacy17", "dynamo", "hf", "hf-ortfused") for cache in (False, True)] \
-    + [("qwen2", "dynamo-ortfused", False), ("qwen2", "dynamo-ortfused", True), ("qwen2", "ortopt", False)] \
-    + [("llama", "legacy17", True), ("llama", "dynamo", False), ("llama", "hf", True), ("llama", "hf-ortfused", True)]
+EXPORTS = [("qwen2", e, cache) for e in ("legacy14", "legacy17", "dynamo", "hf", "hf-ortfused", "dynamo-ortfused", "ortopt")
+           for cache in (False, True)] \
+    + [("llama", "legacy17", True), ("llama", "dynamo", False), ("llama", "hf", True), ("llama", "hf-ortfused", True),
+       ("llama", "ortopt", True)]
 
 PIPELINE_EXPORTS = EXPORTS
 
