@@ -103,7 +103,9 @@ class Mask(Pass):
 
     def _input(self, graph: gs.Graph, ctx: Context, old: gs.Variable) -> gs.Variable:
         seq = ctx.options.get("seq_len") or _seq_dim(graph)
-        cache = ctx.options.get("cache_len") if _has_cache(graph) else None  # no cache: --cache-len is moot
+        # --cache-len is moot for a model without a cache, unless kv-cache is about to insert one
+        cached = _has_cache(graph) or ctx.options.get("kv_cache")
+        cache = ctx.options.get("cache_len") if cached else None
         if cache is not None:
             total = int(seq) + int(cache) if isinstance(seq, int) or str(seq).isdigit() else f"{cache}+{seq}"
         else:
