@@ -106,11 +106,12 @@ def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.Pat
             tables.setdefault(key, value)
     by_graph = {v.name: v.compiled.coverage["compiled"] for v in variants}
     known = [c for c in by_graph.values() if c is not None]
+    wiring = _wiring(variants)
     data = manifest.build(
         sdk=str(table.version),
         arch=getattr(table, "arch", None) or options["arch"],
         options={k: v for k, v in options.items() if k not in RUN_OPTIONS},
-        graphs=[manifest.graph_entry(v.name, f"{v.name}.onnx", v.graph, v.partitions) for v in variants],
+        graphs=[manifest.graph_entry(v.name, f"{v.name}.onnx", v.graph, v.partitions, wiring.get(v.name)) for v in variants],
         coverage={"raw": raw, "compiled": min(known) if known else None, "graphs": by_graph},
         passes=[r.stats() for v in variants for r in v.compiled.records],
     )
@@ -189,6 +190,20 @@ def _variants(graph: gs.Graph, options: dict[str, Any]) -> list[tuple[str, dict[
     from mtkc.passes.kv_cache import variants
 
     return [(v.name, v.options) for v in variants(graph, options)]
+
+
+def _wiring(variants: list[GraphVariant]) -> dict[str, dict[str, dict]]:
+    """Graph inputs made by another graph: chunk k's `hidden_states` is chunk k-1's `hidden_states_out`
+    (same variant; `layer-chunks`). {graph name: {input name: {"graph", "output"}}}."""
+    made = {(v.compiled.ctx.options.get("variant"), v.compiled.ctx.options.get("chunk")): v for v in variants}
+    wiring = {}
+    for v in variants:
+        o = v.compiled.ctx.options
+        prev = made.get((o.get("variant"), (o.get("chunk") or 0) - 1))
+        if prev and any(t.name == "hidden_states" for t in v.graph.inputs) and \
+                any(t.name == "hidden_states_out" for t in prev.graph.outputs):
+            wiring[v.name] = {"hidden_states": {"graph": prev.name, "output": "hidden_states_out"}}
+    return wiring
 
 
 def _partitions(variant: GraphVariant, ctx: Context) -> list[dict]:

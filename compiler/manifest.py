@@ -1,8 +1,11 @@
 """`OUT/manifest.json`: what `mtkc compile` wrote and how the pieces connect (DESIGN.md).
 
     {"schema_version", "sdk", "arch", "options",
-     "graphs": [{"name", "path", "inputs": [{"name", "dtype", "shape"}], "outputs", "partitions"}],
+     "graphs": [{"name", "path", "inputs": [{"name", "dtype", "shape", ["from"]}], "outputs", "partitions"}],
      "coverage", "passes": [{"name", "rewrites", "nodes_before", "nodes_after"}]}
+
+A graph input made by an earlier graph (layer chunks: chunk k's `hidden_states` is chunk k-1's
+`hidden_states_out`) carries `"from": {"graph", "output"}`; runtimes and verify wire by it.
 
 Deterministic by construction: keys sorted, paths relative to OUT, no timestamps and no
 timings (per-pass seconds go to report.json), so the same input and options give the same
@@ -27,11 +30,14 @@ def tensor_spec(t: gs.Tensor) -> dict[str, Any]:
     return {"name": t.name, "dtype": dtype, "shape": shape}
 
 
-def graph_entry(name: str, path: str, graph: gs.Graph, partitions: list[dict] | None = None) -> dict[str, Any]:
+def graph_entry(name: str, path: str, graph: gs.Graph, partitions: list[dict] | None = None,
+                sources: dict[str, dict] | None = None) -> dict[str, Any]:
+    """`sources`: graph inputs made by an earlier graph, input name -> {"graph", "output"} (input `from`)."""
+    sources = sources or {}
     return {
         "name": name,
         "path": path,
-        "inputs": [tensor_spec(t) for t in graph.inputs],
+        "inputs": [{**tensor_spec(t), **({"from": sources[t.name]} if t.name in sources else {})} for t in graph.inputs],
         "outputs": [tensor_spec(t) for t in graph.outputs],
         "partitions": list(partitions or []),
     }

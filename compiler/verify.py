@@ -273,9 +273,34 @@ def match_output(name: str, original_names: list[str]) -> str | None:
     return next((o for o, c in _kv_names([name], "present", KV_OUTPUT).items() if o in original_names), None)
 
 
+def chains(graphs: list[dict]) -> list[list[dict]]:
+    """Manifest graphs grouped by their wiring (inputs with `from`), each group in manifest order:
+    `[model]`, or `[prefill], [decode]`, or `[prefill_0, prefill_1, ...], [decode_0, ...]`."""
+    order = {g["name"]: k for k, g in enumerate(graphs)}
+    root: dict[str, str] = {}
+    for g in graphs:
+        sources = [i["from"]["graph"] for i in g["inputs"] if i.get("from")]
+        for s in sources:
+            if s not in root:
+                raise InputError(f"manifest: graph '{g['name']}' input is wired from '{s}', not an earlier graph")
+        joined = {root[s] for s in sources}
+        head = min(joined, key=order.get) if joined else g["name"]
+        root.update({n: head for n, r in root.items() if r in joined})
+        root[g["name"]] = head
+    groups: dict[str, list[dict]] = {}
+    for g in graphs:
+        groups.setdefault(root[g["name"]], []).append(g)
+    return list(groups.values())
+
+
 def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 1e-3, min_cosine: float = 0.999,
            model: str | Path | None = None) -> Result:
-    """Compare every manifest graph (partitions wired, and whole) with the original model."""
+    """Compare every manifest graph (partitions wired, and whole) with the original model.
+
+    Graphs wired together (layer chunks) run as one chain per sample: the original model runs
+    once, chunk k is fed chunk k-1's output named by its input's `from`, and every chunk's
+    outputs are compared with the original's (logits from the last chunk, present_* from each).
+    """
     out = Path(out)
     manifest = load_manifest(out)
     source = original_path(manifest, out, model)
@@ -290,39 +315,56 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
     skipped: list[str] = []
     sessions: dict = {}
     host = Host.from_manifest(manifest, out)
-    for graph in manifest.get("graphs", []):
-        whole = _guarded(lambda: load_session(out / graph["path"]), f"graph {graph['path']}")
-        vocab = _vocab(graph, reference)
+    for chain in chains(manifest.get("graphs", [])):
+        wholes = {g["name"]: _guarded(lambda: load_session(out / g["path"]), f"graph {g['path']}") for g in chain}
+        wired = {(i["from"]["graph"], i["from"]["output"]) for g in chain for i in g["inputs"] if i.get("from")}
+        host_inputs: dict[str, dict] = {}  # the chain's inputs that the host builds, first spec per name
+        for g in chain:
+            for i in g["inputs"]:
+                if not i.get("from"):
+                    host_inputs.setdefault(i["name"], i)
+        vocab = _vocab(next((g for g in chain if any(o["name"] == "logits" for o in g["outputs"])), chain[-1]), reference)
         for sample in range(samples):
-            orig_feeds, feeds = build_feeds(reference.get_inputs(), graph["inputs"], vocab, sample, host)
+            orig_feeds, feeds = build_feeds(reference.get_inputs(), list(host_inputs.values()), vocab, sample, host)
             expected = run_session(reference, orig_feeds)
-            runs = {"partitions": run_partitions(out, graph, feeds, sessions),
-                    "graph": _guarded(lambda: run_session(whole, feeds), f"graph {graph['path']}")}
-            for pipeline, outputs in runs.items():
-                for name, value in outputs.items():
-                    source = match_output(name, original_outputs)
-                    if source is None:
-                        note = f"{graph['name']}/{name}: no matching original output"
-                        if note not in skipped:
-                            skipped.append(note)
-                        continue
-                    want = expected[source]
-                    if value.shape != want.shape and value.ndim == want.ndim == 4 and KV_OUTPUT.match(name):
-                        want = want[:, :, -value.shape[2]:, :]  # new-entry-only present
-                    if value.shape != want.shape:
-                        check = Check(graph["name"], pipeline, name, source, float("inf"), float("inf"), 0.0, False)
+            for pipeline in ("partitions", "graph"):
+                made: dict[tuple[str, str], np.ndarray] = {}
+                for g in chain:
+                    gfeeds = {i["name"]: made[i["from"]["graph"], i["from"]["output"]] if i.get("from") else feeds[i["name"]]
+                              for i in g["inputs"]}
+                    if pipeline == "partitions":
+                        outputs = run_partitions(out, g, gfeeds, sessions)
                     else:
-                        max_abs, max_rel, cosine, close = compare(value, want, atol, rtol)
-                        check = Check(graph["name"], pipeline, name, source, max_abs, max_rel, cosine,
-                                      close and cosine >= min_cosine)
-                    key = (graph["name"], pipeline, name)
-                    if key not in worst:
-                        worst[key] = check
-                    else:
-                        w = worst[key]
-                        worst[key] = Check(w.graph, w.pipeline, w.output, w.original, max(w.max_abs, check.max_abs),
-                                           max(w.max_rel, check.max_rel), min(w.cosine, check.cosine), w.ok and check.ok)
+                        outputs = _guarded(lambda: run_session(wholes[g["name"]], gfeeds), f"graph {g['path']}")
+                    made.update(((g["name"], name), value) for name, value in outputs.items())
+                    for name, value in outputs.items():
+                        if (g["name"], name) not in wired:
+                            _record(worst, skipped, g["name"], pipeline, name, value, expected, original_outputs,
+                                    atol, rtol, min_cosine)
     return Result(list(worst.values()), skipped, samples, atol, rtol, min_cosine)
+
+
+def _record(worst: dict, skipped: list, graph: str, pipeline: str, name: str, value: np.ndarray, expected: dict,
+            original_outputs: list[str], atol: float, rtol: float, min_cosine: float) -> None:
+    """Compare one compiled output with its original; keep the worst figures per (graph, pipeline, output)."""
+    source = match_output(name, original_outputs)
+    if source is None:
+        note = f"{graph}/{name}: no matching original output"
+        if note not in skipped:
+            skipped.append(note)
+        return
+    want = expected[source]
+    if value.shape != want.shape and value.ndim == want.ndim == 4 and KV_OUTPUT.match(name):
+        want = want[:, :, -value.shape[2]:, :]  # new-entry-only present
+    if value.shape != want.shape:
+        check = Check(graph, pipeline, name, source, float("inf"), float("inf"), 0.0, False)
+    else:
+        max_abs, max_rel, cosine, close = compare(value, want, atol, rtol)
+        check = Check(graph, pipeline, name, source, max_abs, max_rel, cosine, close and cosine >= min_cosine)
+    key = (graph, pipeline, name)
+    w = worst.get(key)
+    worst[key] = check if w is None else Check(w.graph, w.pipeline, w.output, w.original, max(w.max_abs, check.max_abs),
+                                               max(w.max_rel, check.max_rel), min(w.cosine, check.cosine), w.ok and check.ok)
 
 
 def format_text(result: Result) -> str:

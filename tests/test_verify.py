@@ -118,3 +118,35 @@ def test_verify_prefill_and_decode_graphs(exported, tmp_path):
     checked = {(c.graph, c.pipeline, c.output) for c in result.checks}
     assert {("prefill", "partitions", "logits"), ("decode", "partitions", "logits"),
             ("decode", "graph", "present_value_1")} <= checked
+
+
+@pytest.mark.parametrize("cache_io", ["new", "sliding"])
+def test_verify_runs_layer_chunks_as_a_chain(exported, tmp_path, cache_io):
+    """--chunks 2: the manifest wires chunk 1's hidden_states to chunk 0's hidden_states_out; verify
+    feeds it through (not embedding rows) and compares every chunk's presents and the last one's logits."""
+    out = tmp_path / "out"
+    result = compile_model(exported("qwen2", "legacy17", cache=True), "8.0", out,
+                           {"seq_len": 8, "cache_len": 16, "chunks": 2, "cache_io": cache_io, "no_convert": True})
+    graphs = {g["name"]: g for g in result.manifest["graphs"]}
+    assert list(graphs) == ["prefill_0", "prefill_1", "decode_0", "decode_1"]
+    for variant in ("prefill", "decode"):
+        assert [i.get("from") for i in graphs[f"{variant}_0"]["inputs"]] == [None] * len(graphs[f"{variant}_0"]["inputs"])
+        wired = {i["name"]: i["from"] for i in graphs[f"{variant}_1"]["inputs"] if "from" in i}
+        assert wired == {"hidden_states": {"graph": f"{variant}_0", "output": "hidden_states_out"}}
+    assert [[g["name"] for g in c] for c in V.chains(result.manifest["graphs"])] == [
+        ["prefill_0", "prefill_1"], ["decode_0", "decode_1"]]
+    checked = V.verify(out, samples=2)
+    assert checked.ok, V.format_text(checked)
+    per_chunk = {(k, kind) for k in range(2) for kind in ("key", "value")}
+    want = {(f"{v}_{k}", p, f"present_{kind}_{k}") for v in ("prefill", "decode") for p in ("partitions", "graph")
+            for k, kind in per_chunk} | {(f"{v}_1", p, "logits") for v in ("prefill", "decode") for p in ("partitions", "graph")}
+    assert {(c.graph, c.pipeline, c.output) for c in checked.checks} == want
+    assert checked.skipped == []  # hidden_states_out feeds the next chunk: wiring, not an unmatched output
+    assert max(c.max_abs for c in checked.checks) < 1e-4
+
+
+def test_chains_reject_wiring_from_a_later_graph():
+    graphs = [{"name": "a", "inputs": [{"name": "h", "from": {"graph": "b", "output": "h_out"}}]},
+              {"name": "b", "inputs": []}]
+    with pytest.raises(InputError, match="graph 'a' input is wired from 'b', not an earlier graph"):
+        V.chains(graphs)
