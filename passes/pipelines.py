@@ -10,6 +10,7 @@ from __future__ import annotations
 DEFAULT = [
     "kv-cache",  # first: finds/inserts the cache while shapes are still computed by Shape ops
     "bind-shapes",
+    "contrib-ops",  # before fold: a constant operand's Transpose is folded (or kept, per fold's policy)
     "fold",
     "cleanup",
     "opset17",
