@@ -13,13 +13,13 @@ Checked (a violation names the pass and the tensor/node):
 
 from __future__ import annotations
 
-from collections import deque
 from numbers import Integral
 
 import onnx_graphsurgeon as gs
 
 from mtkc.errors import MtkcError, PassError
 from mtkc.graph_utils import Names, cleanup, toposort
+from mtkc.toposort import cycle_node
 
 
 def restore(graph: gs.Graph, pass_name: str | None = None, error: type[MtkcError] = PassError) -> None:
@@ -105,27 +105,17 @@ def _stage(pass_name: str | None) -> str:
 
 
 def _check_acyclic(graph: gs.Graph, stage: str, error: type[MtkcError]) -> None:
-    """Kahn's algorithm over the nodes; names a node on a cycle."""
+    """Names a node on a cycle, if there is one."""
     index = {id(n): i for i, n in enumerate(graph.nodes)}
-    indegree = [0] * len(graph.nodes)
     consumers: list[list[int]] = [[] for _ in graph.nodes]
     for i, node in enumerate(graph.nodes):
         for t in node.inputs:
             if t.inputs and id(t.inputs[0]) in index:
                 consumers[index[id(t.inputs[0])]].append(i)
-                indegree[i] += 1
-    ready = deque(i for i, d in enumerate(indegree) if d == 0)
-    done = 0
-    while ready:
-        i = ready.popleft()
-        done += 1
-        for j in consumers[i]:
-            indegree[j] -= 1
-            if indegree[j] == 0:
-                ready.append(j)
-    if done < len(graph.nodes):
-        stuck = next(graph.nodes[i] for i, d in enumerate(indegree) if d > 0)
-        raise error(f"{stage}: the graph has a cycle through node '{stuck.name or stuck.op}'")
+    i = cycle_node(consumers)
+    if i is not None:
+        node = graph.nodes[i]
+        raise error(f"{stage}: the graph has a cycle through node '{node.name or node.op}'")
 
 
 def _tensors(graph: gs.Graph):

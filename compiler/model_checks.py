@@ -39,12 +39,12 @@ import logging
 import os
 import re
 import stat
-from collections import deque
 from pathlib import Path
 
 import onnx
 
 from mtkc.errors import InputError
+from mtkc.toposort import cycle_node
 
 log = logging.getLogger("mtkc")
 
@@ -345,32 +345,15 @@ def _check_graph(graph: onnx.GraphProto, path: Path, outer: list[set[str]], dept
 
 
 def _check_acyclic(graph: onnx.GraphProto, path: Path, producer: dict[str, int], reads: list[list[str]]) -> None:
-    """Kahn's algorithm over node indices; names one node of a cycle if there is one."""
-    n = len(graph.node)
-    preds = [{producer[x] for x in names if x in producer} for names in reads]
-    succs: list[list[int]] = [[] for _ in range(n)]
-    for i, ps in enumerate(preds):
-        for p in ps:
-            succs[p].append(i)
-    indegree = [len(ps) for ps in preds]
-    ready = deque(i for i in range(n) if indegree[i] == 0)
-    seen = 0
-    while ready:
-        i = ready.popleft()
-        seen += 1
-        for j in succs[i]:
-            indegree[j] -= 1
-            if indegree[j] == 0:
-                ready.append(j)
-    if seen == n:
-        return
-    # Walk back through unfinished predecessors until a node repeats: it lies on a cycle.
-    i = next(k for k in range(n) if indegree[k] > 0)
-    visited: set[int] = set()
-    while i not in visited:
-        visited.add(i)
-        i = next(p for p in sorted(preds[i]) if indegree[p] > 0)
-    raise InputError(f"{path}: node {_node(graph.node[i])} is part of a cycle")
+    """Names one node of a cycle if there is one."""
+    consumers: list[list[int]] = [[] for _ in graph.node]
+    for i, names in enumerate(reads):
+        for x in names:
+            if x in producer:
+                consumers[producer[x]].append(i)
+    i = cycle_node(consumers)
+    if i is not None:
+        raise InputError(f"{path}: node {_node(graph.node[i])} is part of a cycle")
 
 
 def _node(node: onnx.NodeProto) -> str:

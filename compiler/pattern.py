@@ -27,6 +27,8 @@ from typing import Any, Callable
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc.graph_utils import Names, replace_uses  # noqa: F401 (re-exported for the passes)
+
 COMMUTATIVE = {"Add", "Mul", "Max", "Min", "And", "Or", "Equal", "Sum"}
 MAX_CHECK_ELEMENTS = 1 << 16  # constant checks never read a weight larger than this
 
@@ -316,23 +318,22 @@ def _where(tensor: gs.Tensor) -> str:
 
 
 class Emit:
-    """Builds replacement nodes with unique names derived from the site they replace."""
+    """Builds replacement nodes with unique names derived from the site they replace.
+
+    Names come from one `graph_utils.Names` per graph, built on the first Emit and shared by the
+    later ones (a pass makes one Emit per site): `<prefix>/mtkc_<what>`, then `.../1`, ...
+    Only Emit makes `mtkc_` names, so names other generators add later cannot clash.
+    """
 
     def __init__(self, graph: gs.Graph, prefix: str):
         self.graph, self.prefix = graph, prefix or "mtkc"
         state = vars(graph)  # (graphsurgeon's __getattr__ would treat a missing name as an op)
-        if "_mtkc_names" not in state:  # built once per graph, then kept up to date
-            state["_mtkc_names"] = {t for n in graph.nodes for t in [n.name, *(o.name for o in n.outputs)]}
-        self.used: set[str] = state["_mtkc_names"]
+        if "_mtkc_names" not in state:
+            state["_mtkc_names"] = Names(graph, "")
+        self.names: Names = state["_mtkc_names"]
 
     def name(self, what: str) -> str:
-        base = f"{self.prefix}/mtkc_{what}"
-        name, k = base, 0
-        while name in self.used:
-            k += 1
-            name = f"{base}_{k}"
-        self.used.add(name)
-        return name
+        return self.names.new(f"{self.prefix}/mtkc_{what}")
 
     def const(self, what: str, values) -> gs.Constant:
         return gs.Constant(self.name(what), np.ascontiguousarray(values))
@@ -353,19 +354,3 @@ class Emit:
         self.graph.nodes.append(node)
         return outs[0] if outputs == 1 else outs
 
-
-def replace_uses(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
-    """Make every consumer of `old` (and the graph outputs) read `new`; a graph output keeps its name."""
-    for consumer in list(old.outputs):
-        for i, t in enumerate(consumer.inputs):
-            if t is old:
-                consumer.inputs[i] = new
-    if old in graph.outputs:
-        name = old.name
-        old.name = f"{name}.replaced"
-        new.name = name
-        graph.outputs[:] = [new if t is old else t for t in graph.outputs]
-        if new.dtype is None:
-            new.dtype = old.dtype
-        if new.shape is None:
-            new.shape = old.shape
