@@ -6,17 +6,15 @@
 `_variants` plans the graphs to write: `model`, or `prefill`/`decode` (per chunk) for a KV-cache
 decoder (`mtkc.passes.kv_cache.variants`); each variant is the pipeline run on a fresh load with
 its option overrides. `_partitions` splits one graph into NPU/CPU pieces.
-Output is staged in a sibling temp folder and renamed into place; an existing OUT is only
-replaced with `overwrite`. Same input + options -> byte-identical model, weights, manifest.
+Every file (graphs, weights, manifest, reports, convert.sh, converter logs) is written into a
+sibling staging folder swapped into place at the end (`mtkc.staging`): OUT is complete or the
+previous OUT is intact; an existing OUT is only replaced with `overwrite`. Same input + options -> byte-identical model, weights, manifest.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ from mtkc.errors import InputError
 from mtkc.model import Model, load
 from mtkc.pass_api import Context
 from mtkc.pass_manager import Pipeline, PassRecord, load_registry, resolve_pipeline, run_pipeline
+from mtkc.staging import staged
 from mtkc.weights import WeightWriter
 
 # Compile options (keys of `options`; all optional); all but RUN_OPTIONS go in the manifest.
@@ -116,13 +115,14 @@ def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.Pat
         passes=[r.stats() for v in variants for r in v.compiled.records],
     )
     report = _report(model, variants, data["coverage"])
-    _write(out, variants, data, report, tables, model.root, bool(options["overwrite"]))
-    from mtkc.deliver import finish  # hand-off to the converter, overlays, report.md
+    from mtkc.deliver import finish  # hand-off to the converter, overlays, report.md, manifest.json
 
-    error = finish(out, data, report, {v.name: (v.graph, v.split) for v in variants}, model.path,
-                   getattr(table, "converter", None), options["converter_cmd"], options["no_convert"])
+    with staged(out, bool(options["overwrite"])) as stage:  # OUT: all of this, or the previous OUT
+        _write(stage, variants, data, tables, model.root)
+        error = finish(stage, data, report, {v.name: (v.graph, v.split) for v in variants}, model.path,
+                       getattr(table, "converter", None), options["converter_cmd"], options["no_convert"])
     if error is not None:
-        raise error
+        raise error  # exit 3 after the rename: OUT is complete, its logs/ say what the converter said
     return CompileResult(out, data, report, [r for v in variants for r in v.compiled.records], variants)
 
 
@@ -278,42 +278,14 @@ def _external_files(model: Model) -> list[Path]:
     return sorted(files)
 
 
-def _write(out: Path, variants: list[GraphVariant], data: dict, report: dict, tables: dict, root: Path, overwrite: bool) -> None:
-    """Stage every file in a sibling temp folder, then move it into place."""
+def _write(stage: Path, variants: list[GraphVariant], data: dict, tables: dict, root: Path) -> None:
+    """Every graph, partition and host table into the staging folder (the text files: `deliver.finish`)."""
     from mtkc.generate import write_host_tables
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.mtkc-", dir=out.parent))
-    try:
-        with WeightWriter(stage, WEIGHTS_FILE) as writer:
-            for variant in variants:
-                writer.export(variant.graph, root, stage / f"{variant.name}.onnx")
-                for piece in variant.split.pieces if variant.split else []:
-                    writer.export(piece.graph, root, stage / piece.entry["path"])
-        if tables:
-            data["host"] = write_host_tables(stage, tables)
-        _write_text(stage / "report.json", json.dumps(report, sort_keys=True, indent=2) + "\n")
-        _write_text(stage / "manifest.json", manifest.dumps(data))
-        if out.exists():
-            if not overwrite:
-                raise InputError(f"{out}: exists; pass --overwrite to replace it")
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / out.name)
-            try:
-                os.replace(stage, out)
-            except BaseException:
-                os.replace(old / out.name, out)  # put the previous output back
-                raise
-            finally:
-                shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(stage, out)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-
-
-def _write_text(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    with WeightWriter(stage, WEIGHTS_FILE) as writer:
+        for variant in variants:
+            writer.export(variant.graph, root, stage / f"{variant.name}.onnx")
+            for piece in variant.split.pieces if variant.split else []:
+                writer.export(piece.graph, root, stage / piece.entry["path"])
+    if tables:
+        data["host"] = write_host_tables(stage, tables)

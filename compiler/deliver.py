@@ -1,17 +1,19 @@
-"""After compile has written OUT: hand off to the converter, then write what people read.
+"""After compile has written the graphs: hand off to the converter, then write what people read.
 
-    OUT/convert.sh, logs/, dla/       handoff.run (converter, when present)
-    OUT/<graph>.placement.json        Model Explorer overlay per graph
-    OUT/report.md                     human-readable report
-    OUT/report.json, manifest.json    rewritten last (atomic) with placement + converter facts
+    convert.sh, logs/, dla/       handoff.run (converter, when present; runs inside the folder)
+    <graph>.placement.json        Model Explorer overlay per graph
+    report.md                     human-readable report
+    report.json, manifest.json    with placement + converter facts
 
-Runs on the final OUT (after the staged rename) so converter logs name real paths; a converter
-failure leaves a complete OUT behind and is returned for the caller to raise (exit 3).
+`out` is compile's staging folder (`mtkc.staging`): everything here, the converter run included,
+happens before OUT is swapped into place, so an error or Ctrl-C leaves the previous OUT intact.
+Paths in convert.sh, the logs and the JSON are relative to the folder, so they stay valid after
+the rename. A converter failure is returned, not raised: compile still puts the complete folder
+(logs/ included, for the user to read) in place, then raises it (exit 3).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Mapping
@@ -20,6 +22,7 @@ import onnx_graphsurgeon as gs
 
 from mtkc import handoff, report
 from mtkc.errors import ConverterError
+from mtkc.manifest import dumps
 from mtkc.stitch import Split
 
 
@@ -44,24 +47,18 @@ def finish(
     manifest["converter"] = result.section
     report_data["converter"] = result.section
     for name, (_, s) in splits.items():
-        _replace(out / f"{name}.placement.json", _json(report.overlay(name, s.placements, str(manifest.get("sdk")))))
-    _replace(out / "report.md", report.markdown(manifest, report_data))
-    _replace(out / "report.json", _json(report_data))
-    _replace(out / "manifest.json", _json(manifest))
+        _write(out / f"{name}.placement.json", dumps(report.overlay(name, s.placements, str(manifest.get("sdk")))))
+    _write(out / "report.md", report.markdown(manifest, report_data))
+    _write(out / "report.json", dumps(report_data))
+    _write(out / "manifest.json", dumps(manifest))
     return result.error
 
 
-def _json(data: dict) -> str:
-    return json.dumps(data, sort_keys=True, indent=2, ensure_ascii=False) + "\n"
-
-
-def _replace(path: Path, text: str) -> None:
-    """Write beside, fsync, rename over: a reader sees the old file or the new one."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+def _write(path: Path, text: str) -> None:
+    """Write and fsync (the folder rename that publishes it must not outrun the data)."""
+    with open(path, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 

@@ -11,12 +11,15 @@ Templates are split with shlex first, then each token is filled in ({input} {out
 {sdk} {input_names} {input_shapes} {onnx} {tflite} {dla}), and run without a shell. A failure is
 pinned on nodes: names found in the log, else op types found in the log, else bisection of the
 partition (prefixes of its topological order) with the converter as the oracle, bounded runs.
+Commands run inside OUT with paths relative to it (a relative program or script path in the
+template is made absolute first), so logs name no absolute or staging path.
 Logs: OUT/logs/<graph>.<partition>.log; outputs: OUT/dla/.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shlex
 import shutil
@@ -71,15 +74,14 @@ class Job:
     def key(self) -> str:
         return f"{self.graph}.{self.id}"
 
-    def values(self, out: Path | None) -> dict[str, str]:
-        """Placeholder values; paths absolute under `out`, or `"$OUT"/rel` for the script (out None)."""
-        path = (lambda rel: str(out / rel)) if out else (lambda rel: rel)
+    def values(self) -> dict[str, str]:
+        """Placeholder values; paths relative to OUT (the converter runs there; the script adds "$OUT"/)."""
         return {
-            "input": path(self.onnx),
-            "onnx": path(self.onnx),
-            "output": path(f"dla/{self.key}.dla"),
-            "dla": path(f"dla/{self.key}.dla"),
-            "tflite": path(f"dla/{self.key}.tflite"),
+            "input": self.onnx,
+            "onnx": self.onnx,
+            "output": f"dla/{self.key}.dla",
+            "dla": f"dla/{self.key}.dla",
+            "tflite": f"dla/{self.key}.tflite",
             "input_names": ",".join(self.input_names),
             "input_shapes": ":".join(",".join(str(d) for d in s) for s in self.input_shapes),
         }
@@ -118,6 +120,7 @@ def command_backend(template: str) -> Backend:
     if not tokens:
         raise InputError("--converter-cmd: empty command")
     _check_placeholders(tokens, "--converter-cmd")
+    tokens = [os.path.abspath(t) if "{" not in t and "/" in t and os.path.exists(t) else t for t in tokens]
     runnable = bool(shutil.which(tokens[0]) or Path(tokens[0]).is_file())
     return Backend("command", [tokens], runnable, "" if runnable else f"'{tokens[0]}' not found")
 
@@ -235,19 +238,19 @@ def _fails(backend: Backend, probe: Job, out: Path, context: dict) -> bool:
     """Converter as an oracle on a bisection probe; its outputs are removed."""
     code, _ = _execute(backend, probe, out, context)
     for key in ("dla", "tflite"):
-        (out / probe.values(None)[key]).unlink(missing_ok=True)
+        (out / probe.values()[key]).unlink(missing_ok=True)
     return code != 0
 
 
 def _execute(backend: Backend, job: Job, out: Path, context: dict) -> tuple[int, str]:
     """Run every step for one job; the log text holds each command, its output and exit code."""
-    values = {**context, **job.values(out)}
+    values = {**context, **job.values()}
     lines = []
     for step in backend.steps:
         argv = [token.format_map(values) for token in step]
         lines.append(f"$ {shlex.join(argv)}")
         try:
-            proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+            proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace", cwd=out)
         except OSError as exc:
             lines.append(f"cannot run {argv[0]}: {exc.strerror or exc}")
             return 127, "\n".join(lines) + "\nexit code: 127\n"
@@ -271,7 +274,7 @@ def _write_script(path: Path, backend: Backend, todo: list[Job], context: dict) 
         'mkdir -p "$OUT/dla"',
     ]
     for job in todo:
-        values = {**context, **job.values(None)}
+        values = {**context, **job.values()}
         values.update((k, f"{OUT_MARK}/{values[k]}") for k in PATH_KEYS)
         lines.append(f"# {job.graph}/{job.id}")
         for step in backend.steps:

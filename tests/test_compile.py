@@ -236,7 +236,7 @@ def test_a_failure_while_writing_keeps_the_previous_output(source, tmp_path, mon
     def disk_full(path, text):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("mtkc.compile._write_text", disk_full)
+    monkeypatch.setattr("mtkc.deliver._write", disk_full)
     with pytest.raises(OSError, match="No space left"):
         compile_model(source, SDK, out, {"passes": ["bind-shapes", "fold"], "seq_len": 8, "overwrite": True})
     assert files(out) == before

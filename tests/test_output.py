@@ -1,0 +1,125 @@
+"""OUT is written atomically (complete, or the previous OUT intact) and deterministically."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mtkc.cli import main
+from mtkc.compile import compile_model
+from mtkc.errors import ConverterError
+
+STANDIN = Path(__file__).with_name("standin_converter.py")
+STANDIN_CMD = f"{sys.executable} {STANDIN} --input {{input}} --output {{output}} --arch {{arch}}"
+PASSES = ["bind-shapes", "fold", "cleanup", "mask", "rope", "rmsnorm", "swiglu", "attention"]
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    """Every file by relative path; report.json without its per-pass wall-clock `seconds` (the only
+    bytes that differ between two identical compiles)."""
+    found = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            data = path.read_bytes()
+            if path.name == "report.json":
+                report = json.loads(data)
+                for record in report["passes"]:
+                    assert record.pop("seconds") >= 0
+                data = json.dumps(report, sort_keys=True).encode()
+            found[path.relative_to(folder).as_posix()] = data
+    return found
+
+
+@pytest.fixture
+def previous(exported, tmp_path):
+    """A compiled OUT (qwen2, passes=fold) and its files."""
+    out = tmp_path / "out"
+    compile_model(exported("qwen2", "legacy17"), "8.0", out, {"passes": ["fold"], "no_convert": True})
+    return out, files(out)
+
+
+NEW = {"seq_len": 8, "passes": PASSES, "overwrite": True, "no_convert": True}
+
+
+@pytest.mark.parametrize("where", ["mtkc.report.overlay", "mtkc.report.markdown", "mtkc.handoff._write_script"])
+def test_a_failure_while_writing_reports_keeps_the_previous_output(exported, previous, tmp_path, monkeypatch, where):
+    out, before = previous
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(where, fail)
+    with pytest.raises(OSError, match="No space left"):
+        compile_model(exported("qwen2", "legacy17"), "8.0", out, NEW)
+    assert files(out) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging folder left behind
+
+
+@pytest.mark.parametrize("where", ["mtkc.report.markdown", "mtkc.handoff._execute"])
+def test_ctrl_c_keeps_the_previous_output_and_exits_130(exported, previous, tmp_path, monkeypatch, capsys, where):
+    """Ctrl-C while writing the report, or while the converter runs (inside the staging folder)."""
+    out, before = previous
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(where, interrupt)
+    code = main(["compile", str(exported("qwen2", "legacy17")), "--sdk", "8.0", "-o", str(out), "--seq-len", "8",
+                 "--passes", ",".join(PASSES), "--overwrite", "--converter-cmd", STANDIN_CMD])
+    assert code == 130 and "mtkc: interrupted" in capsys.readouterr().err
+    assert files(out) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_converter_failure_exit_3_puts_complete_output_with_logs_in_place(exported, previous, tmp_path):
+    """The compile succeeded, the converter did not: OUT is replaced by the complete new folder, whose
+    logs/ hold what the converter said, with paths relative to OUT (no staging or absolute OUT path)."""
+    out, _ = previous
+    with pytest.raises(ConverterError, match=r"converter failed on partition model/npu\d+ .* see logs/model\.npu\d+\.log"):
+        compile_model(exported("qwen2", "legacy17"), "8.0", out,
+                      {**NEW, "no_convert": False, "converter_cmd": f"{STANDIN_CMD} --reject-op Softmax"})
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["options"]["seq_len"] == 8 and manifest["converter"]["ran"]
+    logs = sorted((out / "logs").iterdir())
+    assert [p.name for p in logs] == [f"model.{r['id']}.log" for r in manifest["converter"]["partitions"]]
+    for log in logs:
+        text = log.read_text()
+        assert text.startswith(f"$ {sys.executable} {STANDIN} --input model.") and " --output dla/model." in text
+        assert str(tmp_path) not in text and ".mtkc-" not in text
+    assert {"convert.sh", "report.md", "model.placement.json"} <= set(files(out))
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_sigkill_at_random_points_never_leaves_a_half_output(exported, previous, tmp_path):
+    """`mtkc compile --overwrite` (stand-in converter included) killed at seeded random instants: OUT
+    is the previous output or the complete new one; the next run removes the dead run's staging."""
+    out, before = previous
+    model = exported("qwen2", "legacy17")
+    argv = [sys.executable, "-m", "mtkc", "compile", str(model), "--sdk", "8.0", "-o", str(out), "--seq-len", "8",
+            "--passes", ",".join(PASSES), "--overwrite", "-q", "--converter-cmd", STANDIN_CMD]
+    ref = tmp_path / "ref"
+    start = time.monotonic()
+    subprocess.run(argv[:8] + [str(ref)] + argv[9:], check=True, timeout=300)
+    duration = time.monotonic() - start
+    after = files(ref)
+    rng = random.Random(0)
+    seen = set()
+    for delay in [0.2 * duration] + sorted(rng.uniform(0.3, 1.1) * duration for _ in range(3)):
+        proc = subprocess.Popen(argv)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        now = files(out)
+        assert now in (before, after), f"half-written OUT after SIGKILL at {delay:.2f}s of {duration:.2f}s"
+        seen.add("after" if now == after else "before")
+    subprocess.run(argv, check=True, timeout=300)
+    assert files(out) == after
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "ref"]  # stale staging of killed runs removed
+    assert "before" in seen  # the first kill (at 20%) landed before the swap
