@@ -123,3 +123,59 @@ def test_sigkill_at_random_points_never_leaves_a_half_output(exported, previous,
     assert files(out) == after
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "ref"]  # stale staging of killed runs removed
     assert "before" in seen  # the first kill (at 20%) landed before the swap
+
+
+# ---------------------------------------------------------------------------- mtkc.staging on plain folders
+
+
+def _fill(folder: Path, text: str) -> None:
+    folder.mkdir()
+    (folder / "a.txt").write_text(text)
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_staged_replaces_an_existing_folder(tmp_path, monkeypatch, exchange):
+    from mtkc import staging
+
+    if not exchange:  # a file system without RENAME_EXCHANGE: two renames
+        monkeypatch.setattr(staging, "_exchange", lambda a, b: False)
+    _fill(tmp_path / "out", "old")
+    with staging.staged(tmp_path / "out", overwrite=True) as stage:
+        (stage / "a.txt").write_text("new")
+    assert (tmp_path / "out" / "a.txt").read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_staged_fallback_puts_the_previous_folder_back_when_the_second_rename_fails(tmp_path, monkeypatch):
+    from mtkc import staging
+
+    monkeypatch.setattr(staging, "_exchange", lambda a, b: False)
+    _fill(tmp_path / "out", "old")
+    real = staging.os.rename
+
+    def rename(src, dst):
+        if Path(src).name.startswith(".out.mtkc-") and Path(dst) == tmp_path / "out":
+            raise OSError(5, "I/O error")
+        real(src, dst)
+
+    monkeypatch.setattr(staging.os, "rename", rename)
+    with pytest.raises(OSError, match="I/O error"):
+        with staging.staged(tmp_path / "out", overwrite=True) as stage:
+            (stage / "a.txt").write_text("new")
+    assert (tmp_path / "out" / "a.txt").read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_staged_removes_staging_of_dead_processes_only(tmp_path):
+    import os
+
+    from mtkc import staging
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for pid in (dead.pid, os.getpid()):
+        _fill(tmp_path / f".out.mtkc-{pid}-x", "half")
+    _fill(tmp_path / ".other.mtkc-1-x", "not ours")
+    with staging.staged(tmp_path / "out", overwrite=False) as stage:
+        (stage / "a.txt").write_text("new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.mtkc-1-x", f".out.mtkc-{os.getpid()}-x", "out"]
