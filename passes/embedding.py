@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc.graph_utils import cleanup, toposort
 from mtkc.pass_api import Context, Miss, Pass, PassResult, register
 from mtkc.passes.rope import TABLE
 from mtkc.pattern import constant_of, replace_uses
@@ -97,7 +98,7 @@ class Embedding(Pass):
             self.lookups.append((ids.name, table, name))
             result.rewrites += 1
         if result.rewrites:
-            graph.cleanup().toposort()
+            toposort(cleanup(graph))
             used = {t.name for n in graph.nodes for t in n.inputs}
             graph.inputs = [t for t in graph.inputs if t.name in used or t.name not in {i for i, _, _ in self.lookups}]
         return result

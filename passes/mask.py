@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc.graph_utils import cleanup, toposort
 from mtkc.pass_api import Context, Miss, Pass, PassResult, register
 from mtkc.pattern import Emit, replace_uses, small_values
 from mtkc.passes.attention import drop, row_guards
@@ -97,7 +98,7 @@ class Mask(Pass):
                 added = Emit(graph, site.name).op("Add", [site.inputs[1], new], dtype=out.dtype, shape=out.shape)
                 replace_uses(graph, out, added)
         result.rewrites = len(sites) + drop(graph, guards) + len(readers)
-        graph.cleanup().toposort()
+        toposort(cleanup(graph))
         graph.inputs = [t for t in graph.inputs if t is not old]
         return result
 
