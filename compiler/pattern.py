@@ -338,6 +338,10 @@ class Emit:
     def const(self, what: str, values) -> gs.Constant:
         return gs.Constant(self.name(what), np.ascontiguousarray(values))
 
+    def ints(self, what: str, *values: int) -> gs.Constant:
+        """A 1-D int64 constant (shapes, axes, starts/ends)."""
+        return self.const(what, np.array(values, np.int64))
+
     def op(self, op: str, inputs: list, attrs: dict | None = None, domain: str = "", dtype=None,
            shape=None, outputs: int = 1):
         """Append `op`; returns its output Variable (or a list when `outputs` > 1).

@@ -128,7 +128,7 @@ def _plain_transpose(graph: gs.Graph, m) -> int:
         return 0
     e = Emit(graph, outer.name)
     if list(k.shape) != [b, h, t, d]:  # e.g. the 5-D GQA repeat folded into this Reshape
-        k = e.op("Reshape", [k, e.const("shape", np.array([b, h, t, d], np.int64))], dtype=kt.dtype, shape=[b, h, t, d])
+        k = e.op("Reshape", [k, e.ints("shape", b, h, t, d)], dtype=kt.dtype, shape=[b, h, t, d])
     new = e.op("Transpose", [k], {"perm": [0, 1, 3, 2]}, dtype=kt.dtype, shape=kt.shape)
     replace_uses(graph, kt, new)
     return 1
@@ -223,13 +223,10 @@ def _emit(graph, node, q_heads, kv_heads, scale, mask, past_k, past_v, causal, m
     e = Emit(graph, node.name)
     f32 = q.dtype
 
-    def c(name, *vals):
-        return e.const(name, np.array(vals, np.int64))
-
     def heads_first(t, n):  # [B, S, n*D] -> [B, n, S, D]
         if t.shape is not None and len(t.shape) == 4:
             return t
-        return e.op("Transpose", [e.op("Reshape", [t, c("split_heads", 0, 0, n, head)], dtype=f32)],
+        return e.op("Transpose", [e.op("Reshape", [t, e.ints("split_heads", 0, 0, n, head)], dtype=f32)],
                     {"perm": [0, 2, 1, 3]}, dtype=f32)
 
     q4, k4, v4 = heads_first(q, q_heads), heads_first(k, kv_heads), heads_first(v, kv_heads)
@@ -239,8 +236,8 @@ def _emit(graph, node, q_heads, kv_heads, scale, mask, past_k, past_v, causal, m
     k4, v4 = present
     n_rep = q_heads // kv_heads
     if n_rep > 1:
-        k4, v4 = (e.op("Reshape", [e.op("Tile", [t, c("repeats", 1, 1, n_rep, 1)], dtype=f32),
-                                   c("heads", 0, q_heads, -1, head)], dtype=f32) for t in (k4, v4))
+        k4, v4 = (e.op("Reshape", [e.op("Tile", [t, e.ints("repeats", 1, 1, n_rep, 1)], dtype=f32),
+                                   e.ints("heads", 0, q_heads, -1, head)], dtype=f32) for t in (k4, v4))
     s = float(scale) if scale else 1.0 / np.sqrt(head)
     dtype = np.dtype(f32) if f32 is not None else np.dtype(np.float32)
     qs = e.op("Mul", [q4, e.const("scale", np.array(s, dtype))], dtype=f32)
@@ -259,7 +256,7 @@ def _emit(graph, node, q_heads, kv_heads, scale, mask, past_k, past_v, causal, m
     probs = e.op("Softmax", [scores], {"axis": -1}, dtype=f32)
     out = e.op("MatMul", [probs, v4], dtype=f32)
     if three_d:
-        out = e.op("Reshape", [e.op("Transpose", [out], {"perm": [0, 2, 1, 3]}, dtype=f32), c("merge_heads", 0, 0, -1)],
+        out = e.op("Reshape", [e.op("Transpose", [out], {"perm": [0, 2, 1, 3]}, dtype=f32), e.ints("merge_heads", 0, 0, -1)],
                    dtype=f32)
     outs = node.outputs
     out.shape = outs[0].shape

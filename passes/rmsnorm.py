@@ -126,7 +126,7 @@ def emit_norm(graph: gs.Graph, ctx: Context, x: gs.Tensor, gamma: gs.Tensor, eps
                     dtype=dtype, shape=shape)
     fdt = np.dtype(dtype) if dtype is not None else np.dtype(np.float32)
     sq = e.op("Mul", [x, x], dtype=dtype, shape=shape)
-    axes = e.const("axes", np.array([-1], np.int64))
+    axes = e.ints("axes", -1)
     mean = e.op("ReduceMean", [sq, axes], {"keepdims": 1}, dtype=dtype) if _opset18(graph) else \
         e.op("ReduceMean", [sq], {"axes": [-1], "keepdims": 1}, dtype=dtype)
     var = e.op("Add", [mean, e.const("eps", np.array(eps, fdt))], dtype=dtype)

@@ -187,16 +187,15 @@ class Rope(Pass):
         self.tables[kind] = full
         e = Emit(graph, prefix)
         k = 0 if kind == "cos" else 1
-        sliced = e.op("Slice", [pos_emb, e.const("starts", np.array([k, 0], np.int64)),
-                                e.const("ends", np.array([k + 1, width], np.int64)),
-                                e.const("axes", np.array([1, 3], np.int64))], dtype=np.float32)
+        sliced = e.op("Slice", [pos_emb, e.ints("starts", k, 0), e.ints("ends", k + 1, width), e.ints("axes", 1, 3)],
+                      dtype=np.float32)
         shape = list(shape) if shape is not None else None
         if shape == [1, 1, seq, width]:
             sliced.shape = shape
             return sliced
         if shape is not None and all(isinstance(d, int) for d in shape):  # [1, T, D] or [1, T, 1, D] (BSND)
-            return e.op("Reshape", [sliced, e.const("shape", np.array(shape, np.int64))], shape=shape)
-        return e.op("Squeeze", [sliced, e.const("axes", np.array([1], np.int64))], shape=shape)
+            return e.op("Reshape", [sliced, e.ints("shape", *shape)], shape=shape)
+        return e.op("Squeeze", [sliced, e.ints("axes", 1)], shape=shape)
 
     def _folded_to_pos_emb(self, graph, ctx, sites, result) -> int:
         """cos/sin already folded to constants (positions 0..T-1, no cache) -> pos_emb slices."""
@@ -217,10 +216,7 @@ class Rope(Pass):
                     result.misses.append(Miss(m["add"].name, new))
                     continue
                 done[id(const)] = new
-                for consumer in list(const.outputs):
-                    for i, t in enumerate(consumer.inputs):
-                        if t is const:
-                            consumer.inputs[i] = new
+                replace_uses(graph, const, new)
         return len(done)
 
     def map_feeds(self, feeds: dict, ctx: Context) -> dict:
@@ -384,10 +380,7 @@ def _decompose(graph: gs.Graph, node: gs.Node) -> str | None:
     e = Emit(graph, node.name)
     f32 = x.dtype
 
-    def c(name, *vals):
-        return e.const(name, np.array(vals, np.int64))
-
-    xin = e.op("Reshape", [x, c("heads", 0, 0, heads, head)], dtype=f32) if rank == 3 else x
+    xin = e.op("Reshape", [x, e.ints("heads", 0, 0, heads, head)], dtype=f32) if rank == 3 else x
     halves, axis = [], 2 if rank == 3 else 1
     for kind, cache in (("cos", cos), ("sin", sin)):
         index = small_values(pos) if pos is not None else np.array(0)
@@ -398,14 +391,14 @@ def _decompose(graph: gs.Graph, node: gs.Node) -> str | None:
             continue
         rows = e.op("Gather", [cache, pos], {"axis": 0}, dtype=f32) if pos is not None else cache
         full = e.op("Concat", [rows, rows], {"axis": -1}, dtype=f32)
-        halves.append(e.op("Unsqueeze", [full, c("axis", axis)], dtype=f32))
-    lo = e.op("Slice", [xin, c("s", 0), c("e", head // 2), c("a", -1)], dtype=f32)
-    hi = e.op("Slice", [xin, c("s", head // 2), c("e", head), c("a", -1)], dtype=f32)
+        halves.append(e.op("Unsqueeze", [full, e.ints("axis", axis)], dtype=f32))
+    lo = e.op("Slice", [xin, e.ints("s", 0), e.ints("e", head // 2), e.ints("a", -1)], dtype=f32)
+    hi = e.op("Slice", [xin, e.ints("s", head // 2), e.ints("e", head), e.ints("a", -1)], dtype=f32)
     flipped = e.op("Mul", [hi, _minus_one(e, x)], dtype=f32)
     rotated = e.op("Concat", [flipped, lo], {"axis": -1}, dtype=f32)
     y = e.op("Add", [e.op("Mul", [xin, halves[0]], dtype=f32), e.op("Mul", [rotated, halves[1]], dtype=f32)], dtype=f32)
     if rank == 3:
-        y = e.op("Reshape", [y, c("flat", 0, 0, -1)], dtype=f32)
+        y = e.op("Reshape", [y, e.ints("flat", 0, 0, -1)], dtype=f32)
     out = node.outputs[0]
     y.shape = out.shape
     replace_uses(graph, out, y)

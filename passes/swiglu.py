@@ -121,7 +121,7 @@ def _merge(graph: gs.Graph, ctx: Context, m) -> str | None:
     e = Emit(graph, gate_mm.name)
     packed = e.const("gate_up", np.concatenate([read(wg), read(wu)], axis=1))
     both = e.op("MatMul", [gate_mm.inputs[0], packed], dtype=m["gate"].dtype)
-    gate, up = e.op("Split", [both, e.const("sizes", np.array([inter, inter], np.int64))], {"axis": -1},
+    gate, up = e.op("Split", [both, e.ints("sizes", inter, inter)], {"axis": -1},
                     dtype=m["gate"].dtype, outputs=2)
     gate.shape, up.shape = m["gate"].shape, m["up"].shape
     replace_uses(graph, m["gate"], gate)
