@@ -3,7 +3,7 @@
 Site counts per exporter on the raw tiny exports (L = 2 layers): RMSNorm 2L+1, RoPE 2L (q and k
 of every layer), SwiGLU L, attention L. Then the full default pipeline per SDK: no Sin, Cos,
 Range, Where, bool or int64 runtime tensor, no RMSNormalization / RotaryEmbedding / fused
-attention, SDK 8 keeps the native SimplifiedLayerNormalization, and logits match the original
+attention / FusedMatMul, SDK 8 keeps the native SimplifiedLayerNormalization, and logits match the original
 within 1e-4 when the normalised inputs (mask, pos_emb, hidden_states) are built from the
 original inputs by each pass's `map_feeds`.
 """
@@ -29,7 +29,7 @@ from mtkc.pattern import Const, Op, Or, Var, match, near
 LAYERS = 2
 T, C = 3, 4
 FUSED = {"RMSNormalization", "RotaryEmbedding", "Attention", "MultiHeadAttention", "GroupQueryAttention",
-         "SkipSimplifiedLayerNormalization"}
+         "SkipSimplifiedLayerNormalization", "FusedMatMul"}
 FORBIDDEN = {"Sin", "Cos", "Range", "Where", "IsNaN", "Neg", "GatherND"} | FUSED
 EXPORTS = [("qwen2", e, cache) for e in ("legacy14", "legacy17", "dynamo", "hf", "hf-ortfused", "dynamo-ortfused", "ortopt")
            for cache in (False, True)] \
