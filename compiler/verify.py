@@ -4,6 +4,8 @@ For every graph in the manifest, two pipelines run on the same seeded inputs: th
 wired by the manifest (what the device will run, NPU pieces included) and the whole rewritten
 graph (`graphs[].path`). Each is compared with the original model per output: max abs error,
 max rel error, cosine similarity. The original is `manifest.model.path` (absolute) or `--model`.
+Graphs wired together by the manifest (an input with `"from": {"graph", "output"}`: layer
+chunks) run as one chain per sample, each chunk fed its predecessor's output (`chains`).
 
 The compiled graph's inputs may differ from the original's (DESIGN contract). Feeds are built
 for the original first (token ids inside the vocabulary, all-ones mask, positions C..C+T-1,

@@ -121,7 +121,7 @@ def test_verify_prefill_and_decode_graphs(exported, tmp_path):
 
 
 @pytest.mark.parametrize("cache_io", ["new", "sliding"])
-def test_verify_runs_layer_chunks_as_a_chain(exported, tmp_path, cache_io):
+def test_verify_runs_layer_chunks_as_a_chain(exported, tmp_path, run_cli, cache_io):
     """--chunks 2: the manifest wires chunk 1's hidden_states to chunk 0's hidden_states_out; verify
     feeds it through (not embedding rows) and compares every chunk's presents and the last one's logits."""
     out = tmp_path / "out"
@@ -143,6 +143,8 @@ def test_verify_runs_layer_chunks_as_a_chain(exported, tmp_path, cache_io):
     assert {(c.graph, c.pipeline, c.output) for c in checked.checks} == want
     assert checked.skipped == []  # hidden_states_out feeds the next chunk: wiring, not an unmatched output
     assert max(c.max_abs for c in checked.checks) < 1e-4
+    code, stdout, stderr = run_cli("verify", out, "--samples", "1")
+    assert code == 0 and stdout.rstrip().endswith("min cosine 0.999)") and stdout.count(" ok") == 20, stderr
 
 
 def test_chains_reject_wiring_from_a_later_graph():

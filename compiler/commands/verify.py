@@ -17,6 +17,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="compare the compiled pipeline with the original model in onnxruntime",
         description="Run every partition wired by OUT/manifest.json, and every whole rewritten graph, on "
         "seeded inputs; compare each output with the original model (max abs/rel error, cosine). "
+        "Graphs wired by the manifest (layer chunks: an input with `from`) run as one chain per sample. "
         "Exit 1 naming the first output that mismatches.",
     )
     parser.add_argument("out", metavar="OUT", help="folder written by `mtkc compile`")
