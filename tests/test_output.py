@@ -94,6 +94,8 @@ def test_converter_failure_exit_3_puts_complete_output_with_logs_in_place(export
         assert text.startswith(f"$ {sys.executable} {STANDIN} --input model.") and " --output dla/model." in text
         assert str(tmp_path) not in text and ".mtkc-" not in text
     assert {"convert.sh", "report.md", "model.placement.json"} <= set(files(out))
+    script = (out / "convert.sh").read_text()  # paths relative to the script's folder: valid after the swap
+    assert '--input "$OUT"/model.npu' in script and str(tmp_path) not in script and ".mtkc-" not in script
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
