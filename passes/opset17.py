@@ -18,6 +18,7 @@ shape, an op that has no opset-17 form (RMSNormalization, RotaryEmbedding, Atten
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from mtkc import graph_utils as gu
@@ -65,10 +66,11 @@ class Opset17(Pass):
 
 
 def _set_opset(graph: gs.Graph) -> None:
+    """New opset ids, not edited in place: they are the parsed file's, which other graphs share."""
     graph.opset = TARGET
-    for imp in graph.import_domains or []:
-        if imp.domain in ("", "ai.onnx"):
-            imp.version = TARGET
+    if graph.import_domains:
+        graph.import_domains = [onnx.helper.make_opsetid(o.domain, TARGET if o.domain in ("", "ai.onnx") else o.version)
+                                for o in graph.import_domains]
 
 
 def _lower(graph: gs.Graph, node: gs.Node, ctx: Context, names: gu.Names):

@@ -336,6 +336,18 @@ def test_opset17_lowers_opset18_forms():
     np.testing.assert_allclose(execute.run(graph, feeds)["y"], expected, rtol=1e-6)
 
 
+def test_opset17_leaves_the_parsed_file_alone():
+    """A second graph imported from the same parsed proto (compile's prefill then decode) is still opset 20."""
+    x, y = gs.Variable("x", np.float32, [2, 3]), gs.Variable("y", np.float32, [3, 2])
+    shape = gs.Constant("shape", np.array([3, 2], np.int64))
+    proto = gs.export_onnx(_graph([gs.Node("Reshape", attrs={"allowzero": 1}, inputs=[x, shape], outputs=[y])], [x], [y], 20))
+    first = gs.import_onnx(proto)
+    assert opset17.Opset17().run(first, Context(table=None)).rewrites == 2 and first.opset == 17
+    assert [(o.domain, o.version) for o in proto.opset_import] == [("", 20)]
+    second = gs.import_onnx(proto)
+    assert second.opset == 20 and opset17.Opset17().run(second, Context(table=None)).rewrites == 2
+
+
 def test_opset17_refuses_ops_without_a_17_form():
     x, y = gs.Variable("x", np.float32, [2]), gs.Variable("y", np.float32, [2])
     graph = _graph([gs.Node("Gelu", name="g", inputs=[x], outputs=[y])], [x], [y], opset=20)
