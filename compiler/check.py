@@ -20,6 +20,7 @@ from mtkc import capability, shapes
 from mtkc.capability import Table, Verdict
 from mtkc.errors import InputError
 from mtkc.graph_utils import toposort
+from mtkc.model import Model
 from mtkc.pass_api import Context
 
 log = logging.getLogger("mtkc")
@@ -114,11 +115,18 @@ def check(model_path, sdk: str, arch: str | None = None, seq_len: int | None = N
     from mtkc.model import load
 
     table = capability.load_table(sdk, arch)  # unknown SDK fails before the model is read
-    model = load(model_path)
     options = {"seq_len": seq_len, "cache_len": cache_len, "batch": batch, "input_shapes": input_shapes}
+    report = check_model(load(model_path), table, options, compiled)
+    report.model = str(model_path)
+    return report
+
+
+def check_model(model: Model, table: Table, options: dict, compiled: bool = True) -> CheckReport:
+    """`check` of a loaded model: binds and types `model.graph` in place; the pipeline (when
+    `compiled`) runs on `model.fresh()`, so the file is parsed once."""
     unbound = bind_and_type(model.graph, Context(table, options, model.root))
     assessment = assess(model.graph, table, model.opset, model.values)
-    report = CheckReport(sdk=table.version, arch=table.arch, model=str(model_path),
+    report = CheckReport(sdk=table.version, arch=table.arch, model=str(model.path),
                          assessment=assessment, unbound=unbound)
     if compiled:
         from mtkc.compile import compiled_coverage
@@ -126,7 +134,7 @@ def check(model_path, sdk: str, arch: str | None = None, seq_len: int | None = N
 
         try:
             watch = [n for g in assessment.groups for n in g.nodes]
-            report.coverage_compiled, report.rewritten_by = compiled_coverage(model_path, table, options, watch)
+            report.coverage_compiled, report.rewritten_by = compiled_coverage(model.fresh(), table, options, watch)
         except MtkcError as exc:  # check still reports the raw verdicts
             log.warning("mtkc: coverage after passes unavailable: %s", exc)
     return report

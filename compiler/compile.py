@@ -1,11 +1,11 @@
 """`compile_model`: load, run the pass pipeline, write the rewritten graph(s) and the manifest.
 
-    load ─► plan variants ─► per variant: fresh load ─► pipeline (pass manager) ─► partitions
+    load ─► plan variants ─► per variant: fresh graph ─► pipeline (pass manager) ─► partitions
          ─► write every graph through one WeightWriter + host tables + manifest ─► hand-off
 
 `_variants` plans the graphs to write: `model`, or `prefill`/`decode` (per chunk) for a KV-cache
-decoder (`mtkc.passes.kv_cache.variants`); each variant is the pipeline run on a fresh load with
-its option overrides. `_partitions` splits one graph into NPU/CPU pieces.
+decoder (`mtkc.passes.kv_cache.variants`); each variant is the pipeline run on a fresh graph
+(`Model.fresh`: the file is parsed once) with its option overrides. `_partitions` splits one graph into NPU/CPU pieces.
 Every file (graphs, weights, manifest, reports, convert.sh, converter logs) is written into a
 sibling staging folder swapped into place at the end (`mtkc.staging`): OUT is complete or the
 previous OUT is intact; an existing OUT is only replaced with `overwrite`. Same input + options -> byte-identical model, weights, manifest.
@@ -91,10 +91,10 @@ def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.Pat
         from mtkc.capability import load_table
 
         table = load_table(sdk, options["arch"])
-    raw = _raw_coverage(model.path, table, options)
+    raw = _raw_coverage(model.fresh(), table, options)
     variants, tables = [], {}
     for i, (name, overrides) in enumerate(_variants(model.graph, options)):
-        m = model if i == 0 else load(model_path)
+        m = model if i == 0 else model.fresh()
         compiled = compile_graph(m, sdk, {**options, **overrides}, table)
         for record in compiled.records:
             record.graph = name
@@ -144,10 +144,9 @@ def compile_graph(model: Model, sdk: str, options: dict[str, Any], table=None, o
     return Compiled(model, ctx, pipeline, records, {"compiled": final and final.coverage})
 
 
-def compiled_coverage(model_path, table, options: dict[str, Any], watch: list[str]) -> tuple[float | None, dict[str, str]]:
-    """Coverage after the pipeline (run in memory), and for each node in `watch` the pass after
-    which it is gone (rewritten) or supported: {node name: pass name}."""
-    model = load(model_path)
+def compiled_coverage(model: Model, table, options: dict[str, Any], watch: list[str]) -> tuple[float | None, dict[str, str]]:
+    """Coverage after the pipeline (run in memory on `model.graph`), and for each node in `watch`
+    the pass after which it is gone (rewritten) or supported: {node name: pass name}."""
     pending = set(watch)
     fixed: dict[str, str] = {}
 
@@ -173,15 +172,15 @@ def assessment(graph: gs.Graph, ctx: Context):
     return assess(graph, ctx.table, graph.opset, ctx.read_values)
 
 
-def _raw_coverage(path: Path, table, options: dict[str, Any]) -> float | None:
+def _raw_coverage(model: Model, table, options: dict[str, Any]) -> float | None:
     """Coverage of the input as `mtkc check` computes it (shapes bound, no pass run)."""
     from mtkc.capability import Table
-    from mtkc.check import check
+    from mtkc.check import check_model
 
     if not isinstance(table, Table):
         return None
     shapes = {k: options[k] for k in ("seq_len", "cache_len", "batch")}
-    report = check(path, table.version, table.arch, input_shapes=options["input_shapes"] or None, compiled=False, **shapes)
+    report = check_model(model, table, {**shapes, "input_shapes": options["input_shapes"] or None}, compiled=False)
     return report.assessment.coverage
 
 

@@ -9,7 +9,7 @@ hostile model cannot make mtkc open a file outside its folder. Saving lives in `
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +40,20 @@ class Model:
     root: Path  # the folder external-data locations are relative to
     opset: int
     proto_bytes: int  # size of the .onnx file itself (weights excluded when external)
+    proto: onnx.ModelProto | None = field(default=None, repr=False)  # the parsed file `graph` came from
+    names: list = field(default_factory=list, repr=False)  # [(stored TensorProto, its name in the file)]
+
+    def fresh(self) -> Model:
+        """The model as `load` gave it: its graph imported again from the parsed file, so no
+        pass has touched it. Nothing is re-read or re-validated; weights stay shared and lazy.
+
+        graphsurgeon's exporter renames a lazy constant's TensorProto in place (to the
+        Constant's name), so every stored tensor gets its file name back first.
+        """
+        for tensor, name in self.names:
+            if tensor.name != name:
+                tensor.name = name
+        return replace(self, graph=_import(self.proto, self.path, self.root))
 
     def values(self, tensor: gs.Constant) -> np.ndarray:
         """Read one constant's values (from external data when it has them)."""
@@ -81,12 +95,20 @@ def load(path: str | os.PathLike) -> Model:
     root = path.parent.resolve()
     validate_proto(proto, path, root)
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
+    names = [(t, t.name) for t, _, _ in stored_tensors(proto)]
+    return Model(_import(proto, path, root), path, root, opset, size, proto, names)
+
+
+def _import(proto: onnx.ModelProto, path: Path, root: Path) -> gs.Graph:
     try:
         graph = gs.import_onnx(proto)
     except Exception as exc:  # graphsurgeon raises bare Exceptions on malformed graphs
         raise InputError(f"{path}: cannot import graph ({_first_line(exc)})") from None
+    for g in (graph, *graph.functions):  # graphsurgeon hands out the file's own opset ids: copy them
+        if g.import_domains is not None:
+            g.import_domains = [onnx.helper.make_opsetid(o.domain, o.version) for o in g.import_domains]
     _bind_external(graph, root)
-    return Model(graph=graph, path=path, root=root, opset=opset, proto_bytes=size)
+    return graph
 
 
 def external_info(tensor: onnx.TensorProto) -> dict[str, str] | None:

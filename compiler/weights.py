@@ -11,8 +11,11 @@ files only carry references, so no proto ever comes near the 2 GiB limit. Smalle
 inline (a small external constant of the source model is read and inlined).
 
 Dedup: a lazy constant still backed by the source model's external data is identified by its
-source (file identity, offset, length) and copied once, streamed in chunks; an in-memory constant
-(folded, rewritten) or an inline source constant is identified by the SHA-256 of its bytes.
+source (file identity, offset, length) and copied once, streamed in chunks; an inline source
+constant first by its TensorProto (the same object in every graph imported from one parsed file,
+`mtkc.model.Model.fresh`), then, like an in-memory constant (folded, rewritten), by its bytes:
+length and a sample of head and tail pick the candidates, and only then are whole bytes hashed
+(SHA-256; the stored side is read back from the weights file), so unique weights are never hashed.
 Output is deterministic: same graphs in the same order -> byte-identical files.
 
 Safety: the weights file is written to a temporary name in `out_dir` and moved into place by
@@ -40,6 +43,7 @@ from mtkc.model import constants, external_info
 from mtkc.model_checks import SUB_BYTE_BITS, ExternalDataError, external_fields, external_size, open_external, resolve_location
 
 CHUNK = 16 << 20
+SAMPLE = 4096  # bytes of head and of tail that pick dedup candidates before any full hash
 LazyValues = gs.ir.tensor.LazyValues
 
 
@@ -60,6 +64,8 @@ class WeightWriter:
         self._graphs: list[Path] = []  # written so far; removed again by abort()
         self._end = 0
         self._by_source: dict[tuple, int] = {}  # (dev, ino, offset, length) -> offset
+        self._by_tensor: dict[int, tuple] = {}  # id(inline source TensorProto) -> (it, offset, length)
+        self._by_sample: dict[tuple[int, bytes], list[int]] = {}  # (length, sample digest) -> offsets not yet hashed
         self._by_digest: dict[tuple, int] = {}  # (sha256, length) -> offset
         self._source_ids: dict[tuple[str, str], tuple[int, int]] = {}  # (root, location) -> (dev, ino)
         self._target_id = _file_id(self.path)
@@ -137,13 +143,18 @@ class WeightWriter:
                 return self._from_source_file(proto, root)
             if proto.data_type in SUB_BYTE_BITS or proto.data_type == onnx.TensorProto.STRING:
                 return None
-            if proto.HasField("raw_data"):
-                data = memoryview(proto.raw_data)
-            else:
-                if values.nbytes < self.threshold:
+            known = self._by_tensor.get(id(proto))
+            if known is None:  # not this very TensorProto yet (another variant may share it)
+                if proto.HasField("raw_data"):
+                    data = memoryview(proto.raw_data)  # a copy (protobuf): taken once per TensorProto
+                elif values.nbytes < self.threshold:
                     return None
-                data = _bytes_of(onnx.numpy_helper.to_array(proto))
-            return self._from_memory(proto.name, proto.data_type, list(proto.dims), data)
+                else:
+                    data = _bytes_of(onnx.numpy_helper.to_array(proto))
+                if data.nbytes < self.threshold:
+                    return None
+                known = self._by_tensor[id(proto)] = (proto, self._offset_of(data), data.nbytes)
+            return _reference(proto.name, proto.data_type, list(proto.dims), self.filename, known[1], known[2])
         array = np.asarray(values)
         if array.dtype == object or const.export_dtype != array.dtype:
             return None
@@ -155,13 +166,36 @@ class WeightWriter:
     def _from_memory(self, name: str, data_type: int, dims: list[int], data: memoryview) -> onnx.TensorProto | None:
         if data.nbytes < self.threshold:
             return None
-        key = (hashlib.sha256(data).digest(), data.nbytes)
+        return _reference(name, data_type, dims, self.filename, self._offset_of(data), data.nbytes)
+
+    def _offset_of(self, data: memoryview) -> int:
+        """Offset of these bytes in the weights file, appending them unless stored already."""
+        n = data.nbytes
+        sample = (n, hashlib.sha256(data[:SAMPLE]).digest() + hashlib.sha256(data[-SAMPLE:]).digest())
+        pending = self._by_sample.get(sample)
+        if pending is None:  # no stored tensor can be equal: store without hashing
+            self._by_sample[sample] = [self._append(data)]
+            return self._by_sample[sample][0]
+        for start in pending:  # same length and sample: hash both sides from now on
+            self._by_digest.setdefault((self._digest_at(start, n), n), start)
+        pending.clear()
+        key = (hashlib.sha256(data).digest(), n)
         if key not in self._by_digest:
-            start = self._aligned_end()
-            _write_all(self._fd, data)
-            self._by_digest[key] = start
-            self._end = start + data.nbytes
-        return _reference(name, data_type, dims, self.filename, self._by_digest[key], data.nbytes)
+            self._by_digest[key] = self._append(data)
+        return self._by_digest[key]
+
+    def _append(self, data: memoryview) -> int:
+        start = self._aligned_end()
+        _write_all(self._fd, data)
+        self._end = start + data.nbytes
+        return start
+
+    def _digest_at(self, start: int, nbytes: int) -> bytes:
+        """SHA-256 of `nbytes` already written at `start` (read back in chunks)."""
+        digest = hashlib.sha256()
+        for at in range(start, start + nbytes, CHUNK):
+            digest.update(os.pread(self._fd, min(CHUNK, start + nbytes - at), at))
+        return digest.digest()
 
     def _from_source_file(self, proto: onnx.TensorProto, root: Path) -> onnx.TensorProto:
         location = external_info(proto).get("location", "")
@@ -211,7 +245,7 @@ class WeightWriter:
         if self.path.is_symlink():
             raise InputError(f"{self.path}: refusing to write weights through a symlink")
         self._tmp = self.out_dir / f".{self.filename}.tmp-{os.getpid()}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         self._fd = os.open(self._tmp, flags, 0o644)
 
 

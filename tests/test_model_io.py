@@ -561,3 +561,52 @@ def test_cli_check_exits_2_with_one_line_and_writes_nothing(case, tree, run_cli)
     assert len(lines) == 1 and lines[0].startswith("mtkc: error: ") and str(path) in lines[0], stderr
     assert "Traceback" not in stderr and stdout == ""
     assert sorted(p for p in tree.rglob("*")) == before
+
+
+# ---------------------------------------------------------------------------- one parse: fresh, wire-format sizes
+
+
+def _inline_matmul(folder: Path, raw: bytes = W.tobytes()) -> Path:
+    return matmul_model(folder, onnx.TensorProto(name="W", data_type=onnx.TensorProto.FLOAT, dims=[64, 32], raw_data=raw))
+
+
+def test_fresh_is_the_graph_as_loaded_after_passes_edited_the_first(tmp_path):
+    """Exporting renames a lazy constant's TensorProto in place and opset ids are the file's;
+    neither may leak into the next graph imported from the same parse."""
+    model = mmodel.load(_inline_matmul(tmp_path))
+    before = gs.export_onnx(model.fresh().graph).SerializeToString(deterministic=True)
+    model.graph.tensors()["W"].name = "W_renamed"
+    model.graph.import_domains[0].version = 13
+    gs.export_onnx(model.graph)
+    fresh = model.fresh()
+    assert gs.export_onnx(fresh.graph).SerializeToString(deterministic=True) == before
+    assert fresh.proto is model.proto and fresh.graph is not model.graph
+    np.testing.assert_array_equal(fresh.values(fresh.graph.tensors()["W"]), W)
+
+
+def test_raw_data_lengths_come_from_the_wire_format(tmp_path, monkeypatch):
+    from mtkc import model_checks
+
+    path = _inline_matmul(tmp_path)
+    assert model_checks.raw_sizes(path) == [W.nbytes]
+    seen = []
+    check_inline = model_checks._check_inline
+    monkeypatch.setattr(model_checks, "_check_inline", lambda t, n=None: seen.append((t.name, n)) or check_inline(t, n))
+    mmodel.load(path)  # small file: protobuf's len(raw_data)
+    monkeypatch.setattr(model_checks, "SCAN_BYTES", 0)
+    mmodel.load(path)  # big file: the scanned length
+    assert seen == [("W", None), ("W", W.nbytes)]
+    bad = _inline_matmul(tmp_path / "bad", b"\0" * 12)
+    assert model_checks.raw_sizes(bad) == [12]
+    assert "tensor 'W': has 12 bytes of raw_data, its shape needs 8192" in load_error(bad)
+    text = tmp_path / "model.txtpb"
+    text.write_bytes(bad.read_bytes())
+    assert model_checks.raw_sizes(text) is None  # onnx reads that suffix as text format
+
+
+def test_raw_data_scan_of_a_truncated_file_gives_up(tmp_path):
+    from mtkc import model_checks
+
+    path = _inline_matmul(tmp_path)
+    path.write_bytes(path.read_bytes()[:-40])
+    assert model_checks.raw_sizes(path) is None

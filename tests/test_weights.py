@@ -260,3 +260,47 @@ def test_external_constant_inside_a_local_function_is_rewritten(tmp_path):
     assert mmodel.external_info(attr) == {"location": "model.onnx.data", "offset": "0", "length": "8192"}
     got = execute.run(saved, {"X": X}, root=tmp_path / "out")["Y"]
     np.testing.assert_allclose(got, X @ W, rtol=1e-5, atol=1e-5)
+
+
+def _inline_model(folder: Path, arrays: dict[str, np.ndarray]) -> mmodel.Model:
+    """Y = sum of X @ A over the inline (raw_data) initializers `arrays`."""
+    folder.mkdir()
+    inits = [oh.make_tensor(n, onnx.TensorProto.FLOAT, a.shape, a.tobytes(), raw=True) for n, a in arrays.items()]
+    names = list(arrays)
+    nodes = [oh.make_node("MatMul", ["X", n], [f"p{i}"]) for i, n in enumerate(names)]
+    nodes += [oh.make_node("Sum", [f"p{i}" for i in range(len(names))], ["Y"])]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("X", 1, [2, 64])],
+                          [oh.make_tensor_value_info("Y", 1, [2, 32])], inits)
+    onnx.save(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)]), folder / "model.onnx")
+    return mmodel.load(folder / "model.onnx")
+
+
+def test_same_length_head_and_tail_but_other_middle_is_stored_twice(tmp_path):
+    """Dedup candidates come from length + head/tail sample; only the full hash decides."""
+    other = W.copy()
+    other[32, 16] += 1  # byte 4160: outside the 4096-byte head and tail samples of 8192 bytes
+    model = _inline_model(tmp_path / "src", {"W1": W, "W2": other, "W3": W.copy()})
+    proto = weights.save(model.graph, model.root, tmp_path / "out" / "model.onnx")
+    assert os.path.getsize(tmp_path / "out" / "model.onnx.data") == 2 * W.nbytes  # W1 = W3, W2 apart
+    offsets = [dict((e.key, e.value) for e in t.external_data)["offset"] for t in proto.graph.initializer]
+    assert offsets == ["0", "8192", "0"]
+    got = execute.run(proto, {"X": X}, root=tmp_path / "out")["Y"]
+    np.testing.assert_allclose(got, X @ W + X @ other + X @ W, rtol=1e-5, atol=1e-5)
+
+
+def test_fresh_graphs_of_an_inline_model_share_stored_tensors_without_hashing(tmp_path, monkeypatch):
+    """Unique inline weights are never hashed in full; a fresh graph's are found by TensorProto."""
+    w2 = RNG.standard_normal(W.shape).astype(np.float32)
+    model = _inline_model(tmp_path / "src", {"W1": W, "W2": w2})
+    hashed = []
+    real = weights.hashlib.sha256
+    monkeypatch.setattr(weights.hashlib, "sha256", lambda data=b"": hashed.append(len(data)) or real(data))
+    out = tmp_path / "out"
+    with weights.WeightWriter(out) as writer:
+        writer.export(model.graph, model.root, out / "prefill.onnx")
+        writer.export(model.fresh().graph, model.root, out / "decode.onnx")
+    assert max(hashed) <= 4096 and len(hashed) == 4  # head + tail samples of W1 and W2, once each
+    assert os.path.getsize(out / "weights.bin") == 2 * W.nbytes
+    for name in ("prefill", "decode"):
+        got = execute.run(onnx.load(out / f"{name}.onnx", load_external_data=False), {"X": X}, root=out)["Y"]
+        np.testing.assert_allclose(got, X @ W + X @ w2, rtol=1e-5, atol=1e-5)
