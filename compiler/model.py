@@ -106,9 +106,15 @@ def _import(proto: onnx.ModelProto, path: Path, root: Path) -> gs.Graph:
         raise InputError(f"{path}: cannot import graph ({_first_line(exc)})") from None
     for g in (graph, *graph.functions):  # graphsurgeon hands out the file's own opset ids: copy them
         if g.import_domains is not None:
-            g.import_domains = [onnx.helper.make_opsetid(o.domain, o.version) for o in g.import_domains]
+            g.import_domains = [_copy(o) for o in g.import_domains]
     _bind_external(graph, root)
     return graph
+
+
+def _copy(message):
+    copy = type(message)()
+    copy.CopyFrom(message)  # field presence too, so the graphs written stay byte-identical
+    return copy
 
 
 def external_info(tensor: onnx.TensorProto) -> dict[str, str] | None:
