@@ -132,6 +132,7 @@ SUPPORTED = Verdict(True, "npu")
 # ---- loading -------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
 def _version_key(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in version.split("."))
 
@@ -475,6 +476,11 @@ class Table:
             first_sdk=first_sdk,
             hint=remedy.hint if remedy else None,
         )
+
+    def supports(self, node: gs.Node, opset: int | None = None,
+                 read_values: Callable[[gs.Constant], np.ndarray] | None = None) -> bool:
+        """`verdict(...).supported`, without working out the remedy and first SDK."""
+        return self._evaluate(node, opset, read_values) is None
 
     def _remedy_for(self, node: gs.Node, reason: str, qualifier: str | None) -> Remedy | None:
         if reason in OP_REASONS:

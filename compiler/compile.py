@@ -154,7 +154,7 @@ def compiled_coverage(model: Model, table, options: dict[str, Any], watch: list[
         nodes = {n.name: n for n in graph.nodes}
         for name in sorted(pending):
             node = nodes.get(name)
-            if node is None or table.verdict(node, graph.opset, model.values).supported:
+            if node is None or table.supports(node, graph.opset, model.values):
                 fixed[name] = p.name
                 pending.discard(name)
 
