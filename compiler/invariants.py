@@ -25,8 +25,11 @@ from mtkc.toposort import cycle_node
 def restore(graph: gs.Graph, pass_name: str | None = None, error: type[MtkcError] = PassError) -> None:
     """Cleanup, cycle check, toposort and node naming after a pass (None: the input model)."""
     cleanup(graph)
-    _check_acyclic(graph, _stage(pass_name), error)
-    toposort(graph)
+    try:
+        toposort(graph)  # raises on a cycle, without naming a node on it
+    except Exception:
+        _check_acyclic(graph, _stage(pass_name), error)  # names one
+        raise
     name_nodes(graph, pass_name)
 
 
