@@ -35,6 +35,9 @@ def restore(graph: gs.Graph, pass_name: str | None = None, error: type[MtkcError
 
 def name_nodes(graph: gs.Graph, prefix: str | None) -> int:
     """Give unnamed/duplicate-named nodes `<prefix>/<old name or op>`; returns how many."""
+    given = [n.name for n in graph.nodes]
+    if all(given) and len(set(given)) == len(given):
+        return 0  # the common case, without building `Names` (it collects every tensor name)
     names = Names(graph, prefix or "")
     seen: set[str] = set()
     renamed = 0
