@@ -149,6 +149,7 @@ def test_ort_fused_export_and_no_stray_files(capsys, exported, tmp_path, monkeyp
         found = groups(json.loads(out))
         assert found[("RotaryEmbedding", "op-unsupported")]["remedy"].startswith("pass rope")
         assert found[("SkipSimplifiedLayerNormalization", "op-unsupported")]["remedy"].startswith("pass rmsnorm")
-        assert found[("FusedMatMul", "op-not-in-table")]["domain"] == "com.microsoft"
+        assert found[("FusedMatMul", "op-unsupported")]["domain"] == "com.microsoft"
+        assert found[("FusedMatMul", "op-unsupported")]["remedy"].startswith("pass contrib-ops")
         assert not [g for g in found.values() if g["reason"] == "shape-dynamic"]
     assert list(tmp_path.iterdir()) == []
