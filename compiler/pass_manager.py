@@ -249,7 +249,8 @@ def run_pipeline(
 ) -> list[PassRecord]:
     """Run the passes in place on `graph`; restore/check invariants after each; return stats.
 
-    `observe(pass, graph)` is called after each pass (invariants restored), e.g. to track nodes.
+    `observe(pass, graph)` is called after each pass (invariants restored), e.g. to track nodes;
+    it must not change the graph.
     """
     invariants.restore(graph, None, InputError)
     invariants.check(graph, None, error=InputError)
@@ -260,16 +261,19 @@ def run_pipeline(
     else:
         verifier = None
     records = []
+    after = None  # loose tensors after the previous pass, when known (nothing below edits the graph)
     for p in pipeline.passes:
         nodes_before = len(graph.nodes)
-        loose = invariants.loose_tensors(graph)
+        loose = after if after is not None else invariants.loose_tensors(graph)
         start = time.perf_counter()
         result = guarded(p, "run", p.run, graph, ctx)
         if not isinstance(result, PassResult):
             raise PassError(f"pass '{p.name}' ({p.origin}) returned {type(result).__name__}, not a PassResult")
         invariants.restore(graph, p.name)
-        if invariants.shapes_bound(graph) and _new_loose(invariants.loose_tensors(graph), loose):
+        after = invariants.loose_tensors(graph) if invariants.shapes_bound(graph) else None
+        if after is not None and _new_loose(after, loose):
             _fill_types(graph, ctx.root)  # type what the pass left untyped; still loose -> PassError
+            after = None
         invariants.check(graph, p.name, loose)
         record = PassRecord(
             p.name, p.origin, result.rewrites, nodes_before, len(graph.nodes),
