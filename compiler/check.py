@@ -4,7 +4,8 @@
     assess(graph, table, ...) -> Assessment     (coverage/partitions/unsupported of any graph)
 
 Nothing is written and no weight is read (only small constants that shape inference needs).
-`check` also runs the default pass pipeline in memory for the coverage after passes.
+`check` also runs the pass pipeline (default, or as `pipeline` options select it) in memory for
+the coverage after passes.
 """
 
 from __future__ import annotations
@@ -106,16 +107,25 @@ class CheckReport:
 
 def check(model_path, sdk: str, arch: str | None = None, seq_len: int | None = None,
           cache_len: int | None = None, batch: int | None = None,
-          input_shapes: dict[str, tuple[int, ...]] | None = None, compiled: bool = True) -> CheckReport:
+          input_shapes: dict[str, tuple[int, ...]] | None = None, compiled: bool = True,
+          pipeline: dict | None = None) -> CheckReport:
     """Judge every node of the model at `model_path` for NeuroPilot `sdk`.
 
-    `compiled`: also run the default pass pipeline in memory (`mtkc.compile.compiled_coverage`)
+    `compiled`: also run the pass pipeline in memory (`mtkc.compile.compiled_coverage`)
     for the coverage after passes and, per unsupported node, the pass that rewrites it.
+    `pipeline`: compile's pipeline options (`passes`, `skip_passes`, `plugins`, pass options);
+    plugins and pass names are checked before the model is read (PassError/InputError).
     """
     from mtkc.model import load
+    from mtkc.pass_manager import load_registry
 
     table = capability.load_table(sdk, arch)  # unknown SDK fails before the model is read
-    options = {"seq_len": seq_len, "cache_len": cache_len, "batch": batch, "input_shapes": input_shapes}
+    pipeline = dict(pipeline or {})
+    if compiled:
+        registry = load_registry(pipeline.get("plugins") or ())
+        for name in [*(pipeline.get("passes") or []), *(pipeline.get("skip_passes") or [])]:
+            registry.get(name)
+    options = {**pipeline, "seq_len": seq_len, "cache_len": cache_len, "batch": batch, "input_shapes": input_shapes}
     report = check_model(load(model_path), table, options, compiled)
     report.model = str(model_path)
     return report

@@ -153,3 +153,40 @@ def test_ort_fused_export_and_no_stray_files(capsys, exported, tmp_path, monkeyp
         assert found[("FusedMatMul", "op-unsupported")]["remedy"].startswith("pass contrib-ops")
         assert not [g for g in found.values() if g["reason"] == "shape-dynamic"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_check_runs_the_users_pipeline(run_cli, exported, tmp_path):
+    """--passes/--skip-pass/--plugin/--config shape `coverage.compiled` and `rewritten_by` as in
+    compile; a plugin that cannot be loaded is an exit-2 error naming it."""
+    from pathlib import Path
+
+    plugins = Path(__file__).parent / "plugins"
+    model = exported("qwen2", "legacy17")
+    base = ("check", model, "--sdk", "8.0", "--seq-len", "8", "--format", "json")
+
+    def report(*args, cwd=None):
+        code, out, err = run_cli(*base, *args, cwd=cwd)
+        assert code == 0, err
+        return json.loads(out)
+
+    def fixers(r, op):
+        return {p for g in r["unsupported"] if g["op"] == op for p in g["rewritten_by"].values()}
+
+    assert fixers(report(), "IsNaN") == {"attention"}
+    assert fixers(report("--skip-pass", "attention"), "IsNaN") == {"mask"}
+    (tmp_path / "mtkc.toml").write_text('skip_passes = ["attention"]\n')
+    assert fixers(report("--config", tmp_path / "mtkc.toml"), "IsNaN") == {"mask"}
+    assert fixers(report(cwd=tmp_path), "IsNaN") == {"mask"}  # ./mtkc.toml, as compile reads it
+
+    folded = report("--passes", "bind-shapes,fold")
+    assert 0 < folded["coverage"]["compiled"] < 1
+    assert {p for g in folded["unsupported"] for p in g["rewritten_by"].values()} == {"fold"}
+    negated = report("--passes", "bind-shapes,fold,negate-output", "--plugin", plugins / "negate_output.py")
+    assert negated["coverage"]["compiled"] > folded["coverage"]["compiled"]  # the plugin's Neg node (NPU op)
+
+    code, out, err = run_cli(*base, "--plugin", plugins / "import_error.py")
+    assert (code, out) == (2, "")
+    assert err.startswith("mtkc: error: plugin ") and "import_error.py failed to import" in err
+    assert "Traceback" not in err
+    code, _, err = run_cli(*base, "--passes", "no-such-pass")
+    assert code == 2 and "unknown pass 'no-such-pass'" in err

@@ -22,6 +22,7 @@ def add_parser(sub) -> None:
     p.add_argument("model", help="model.onnx (external data next to it)")
     options.add_target(p)
     options.add_shapes(p)
+    options.add_pipeline(p)
     p.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
     p.add_argument("--strict", action="store_true", help="exit 1 when any node is not NPU-supported")
     p.add_argument("-o", "--output", metavar="FILE", help="write the report to FILE instead of stdout")
@@ -30,8 +31,12 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    report = check(args.model, args.sdk, arch=args.arch, seq_len=args.seq_len, cache_len=args.cache_len,
-                   batch=args.batch, input_shapes=options.parse_input_shapes(args.input_shape))
+    from mtkc.config import KEYS, from_args
+
+    opts = from_args(args)  # config (--config or ./mtkc.toml) overridden by the CLI, as in compile
+    pipeline = {k: v for k, v in opts.items() if k in ("passes", "skip_passes", "plugins") or k not in KEYS}
+    report = check(args.model, opts["sdk"], arch=opts["arch"], seq_len=opts["seq_len"], cache_len=opts["cache_len"],
+                   batch=opts["batch"], input_shapes=opts["input_shapes"], pipeline=pipeline)
     text = json.dumps(report.to_json(), indent=2) + "\n" if args.format == "json" else render(report)
     if args.output:
         _write_atomic(Path(args.output), text)
