@@ -326,7 +326,8 @@ def insert_cache(graph: gs.Graph, root=None) -> list[LayerCache]:
         for kind, new in zip(KINDS, entries):
             shape = probe.get(new.name)
             if shape is None or len(shape) != 4 or not all(isinstance(d, int) for d in shape[1::2]):
-                raise InputError(f"layer {i}: {kind} entry '{new.name}' has shape {shape}, expected [B, Hkv, S, D]")
+                raise InputError(f"layer {i}: {kind} entry '{new.name}' has shape {shape}, expected [B, Hkv, S, D]"
+                                 + _fused_entry(new))
             past = gs.Variable(f"past_{kind}_{i}", np.float32, ["batch_size", shape[1], "past_sequence_length", shape[3]])
             full = gs.Variable(f"kv_cache/{kind}_{i}", np.float32, None)
             concat = gs.Node("Concat", names.new(f"kv_cache/concat_{kind}_{i}"), {"axis": 2}, [past, new], [full])
@@ -403,6 +404,16 @@ def _kv_entry(tensor: gs.Tensor) -> gs.Variable:
         else:
             return tensor
     return tensor
+
+
+def _fused_entry(entry: gs.Tensor) -> str:
+    """Why a K/V entry is not per-head: a contrib op (e.g. com.microsoft RotaryEmbedding) makes it
+    on packed [B, S, Hkv*D] K/V, so there is no [B, Hkv, S, D] tensor to cut ('' otherwise)."""
+    node = entry.inputs[0] if entry.inputs else None
+    if node is None or node.domain in ("", "ai.onnx"):
+        return ""
+    return (f" (made by fused op {node.domain} {node.op} '{node.name}' on packed [B, S, Hkv*D] K/V: "
+            "export with cache I/O, or without ORT fusions)")
 
 
 def _scalar(tensor: gs.Tensor) -> bool:

@@ -77,6 +77,16 @@ def test_kv_cache_refuses_a_model_without_attention(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_kv_cache_names_the_fused_op_of_a_packed_kv_entry(exported, tmp_path):
+    """hf-ortfused: com.microsoft RotaryEmbedding makes K on packed [B, S, Hkv*D]; the refusal says so."""
+    with pytest.raises(InputError, match=r"layer 0: key entry '\w+' has shape \[1, \d+, 32\], expected \[B, Hkv, S, D\] "
+                       r"\(made by fused op com\.microsoft RotaryEmbedding '\w+' on packed \[B, S, Hkv\*D\] K/V: "
+                       r"export with cache I/O, or without ORT fusions\)$"):
+        compile_model(exported("qwen2", "hf-ortfused", cache=False), "8.0", tmp_path / "out",
+                      {"kv_cache": True, "cache_len": 16})
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.fixture(scope="module")
 def hf_new(exported, tmp_path_factory):
     """An hf (transformers OnnxExporter) cache export compiled with new-entry presents, 1 chunk."""
