@@ -152,3 +152,15 @@ def test_chains_reject_wiring_from_a_later_graph():
               {"name": "b", "inputs": []}]
     with pytest.raises(InputError, match="graph 'a' input is wired from 'b', not an earlier graph"):
         V.chains(graphs)
+
+
+def test_rtol_is_relative_to_the_output_scale():
+    """fp32 reordering noise near zero passes; an error of 1 % of the output's scale does not."""
+    from mtkc.verify import compare
+
+    expected = np.array([50.0, -30.0, 1e-4, 0.0])
+    noisy = expected + np.array([3e-3, -2e-3, 2e-3, -1e-3])  # ORT's own optimizer moves real logits so
+    assert compare(noisy, expected, atol=1e-3, rtol=1e-3)[3]
+    wrong = expected + np.array([0.0, 0.0, 0.5, 0.0])  # 1 % of max|expected| = 50
+    max_abs, _, cosine, close = compare(wrong, expected, atol=1e-3, rtol=1e-3)
+    assert not close and max_abs == 0.5 and cosine > 0.999  # cosine alone would not catch it

@@ -23,7 +23,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("out", metavar="OUT", help="folder written by `mtkc compile`")
     parser.add_argument("--samples", type=int, default=3, help="seeded input sets (default 3)")
     parser.add_argument("--atol", type=float, default=1e-3, help="absolute tolerance (default 1e-3)")
-    parser.add_argument("--rtol", type=float, default=1e-3, help="relative tolerance (default 1e-3)")
+    parser.add_argument("--rtol", type=float, default=1e-3, help="tolerance relative to each output's largest magnitude (default 1e-3)")
     parser.add_argument("--min-cosine", type=float, default=0.999, help="minimum cosine similarity (default 0.999)")
     parser.add_argument("--model", help="original model (default: the path recorded in the manifest)")
     parser.add_argument("--format", choices=("text", "json"), default="text", help="output format on stdout")
