@@ -11,7 +11,8 @@ cache, and the prefill -> decode hand-over.
 Cache: C slots per layer, `valid[C]` says which hold a token. `cache_io="new"`: graphs return
 the T new entries and the runtime writes the valid ones at the next free slots; `"sliding"`:
 graphs return `concat(past, new)[T:]`, which is fed back as is (valid slides with it).
-Chunks (`prefill_0..N-1`) run in order; chunk k's `hidden_states_out` is chunk k+1's `hidden_states`.
+Chunks (`prefill_0..N-1`) run in order; an input the manifest wires `from` an earlier graph's output
+(chunk k's `hidden_states` from chunk k-1's `hidden_states_out`) is fed that output.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class Stage:
     session: ort.InferenceSession
     inputs: dict[str, tuple[type, list[int]]]
     outputs: list[str]
+    sources: dict[str, tuple[str, str]]  # input -> (graph, output) it is wired from (manifest `from`)
 
     @property
     def tokens(self) -> int:
@@ -93,7 +95,8 @@ class Generator:
             if not all(isinstance(d, int) for d in x.shape):
                 raise InputError(f"{path}: input '{x.name}' has a dynamic shape {x.shape}")
             inputs[x.name] = (_TYPES.get(x.type, np.float32), list(x.shape))
-        return Stage(graph["name"], session, inputs, [o.name for o in session.get_outputs()])
+        sources = {i["name"]: (i["from"]["graph"], i["from"]["output"]) for i in graph.get("inputs", []) if i.get("from")}
+        return Stage(graph["name"], session, inputs, [o.name for o in session.get_outputs()], sources)
 
     def _layout(self, cache_io: str | None) -> None:
         """Cache length C, per-layer cache shapes, and whether presents are new entries or the slid cache."""
@@ -168,14 +171,20 @@ class Generator:
         ids[0, :k] = tokens
         positions = self.filled + np.minimum(np.arange(t), k - 1)
         feeds = {"input_ids": ids, "position_ids": positions[None]}
-        hidden = None
+        results: dict[str, dict[str, np.ndarray]] = {}
         for stage in stages:
             feed = {}
             for name, (dtype, shape) in stage.inputs.items():
-                if name.startswith("past_"):
+                if name in stage.sources:
+                    graph, output = stage.sources[name]
+                    if output not in results.get(graph, {}):
+                        raise InputError(f"graph '{stage.name}': input '{name}' is wired from '{graph}' output "
+                                         f"'{output}', which no earlier graph of this pass produced")
+                    value = results[graph][output]
+                elif name.startswith("past_"):
                     value = self.cache[name]
                 elif name == "hidden_states":
-                    value = hidden if hidden is not None else self.embedding[ids[0]][None]
+                    value = self.embedding[ids[0]][None]
                 elif name == "attention_mask":
                     value = self._mask(shape, k, t)
                 elif name == "pos_emb":
@@ -186,8 +195,7 @@ class Generator:
                     raise InputError(f"graph '{stage.name}': unknown input '{name}'")
                 value = np.asarray(value, dtype=dtype)
                 feed[name] = value.reshape(shape) if shape else value
-            result = dict(zip(stage.outputs, stage.session.run(stage.outputs, feed)))
-            hidden = result.get("hidden_states_out")
+            result = results[stage.name] = dict(zip(stage.outputs, stage.session.run(stage.outputs, feed)))
             self._update(result, k)
             logits = result.get("logits")
         self._advance(k, t)

@@ -142,3 +142,38 @@ def test_mtkc_check_cli_accepts_a_compiled_decode_graph(compiled, run_cli):
     assert code == 0, stderr
     report = json.loads(stdout)
     assert report["coverage"]["raw"] == 1.0 and report["unsupported"] == []
+
+
+def test_chunks_are_chained_by_the_manifest_wiring(compiled, reference, tmp_path):
+    """Chunk k's hidden_states is the output its manifest `from` names (not a naming convention):
+    renamed outputs still chain; a `from` naming no produced output is an InputError."""
+    import shutil
+
+    from mtkc.errors import InputError
+
+    out = tmp_path / "renamed"
+    shutil.copytree(compiled("qwen2-nocache-2-sliding"), out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    for entry in manifest["graphs"]:
+        wired = [i["from"] for i in entry["inputs"] if i.get("from")]
+        for source in wired:
+            producer = next(g for g in manifest["graphs"] if g["name"] == source["graph"])
+            proto = onnx.load(str(out / producer["path"]), load_external_data=False)
+            renamed = f"{source['output']}_of_{producer['name']}"
+            for node in proto.graph.node:
+                node.output[:] = [renamed if o == source["output"] else o for o in node.output]
+            for o in proto.graph.output:
+                o.name = renamed if o.name == source["output"] else o.name
+            for o in producer["outputs"]:
+                o["name"] = renamed if o["name"] == source["output"] else o["name"]
+            onnx.save(proto, str(out / producer["path"]))
+            source["output"] = renamed
+        assert len(wired) == (1 if entry["name"].endswith("_1") else 0)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert Generator(out).generate(PROMPTS["long"], NEW) == reference("qwen2", "long")
+
+    next(i for g in manifest["graphs"] for i in g["inputs"] if i.get("from"))["from"]["output"] = "nowhere"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(InputError, match=r"graph 'prefill_1': input 'hidden_states' is wired from 'prefill_0' "
+                                         r"output 'nowhere', which no earlier graph of this pass produced"):
+        Generator(out).generate(PROMPTS["long"], NEW)
