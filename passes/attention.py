@@ -29,7 +29,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.pass_api import Context, Miss, Pass, PassResult, register
-from mtkc.pattern import Const, Emit, Op, Or, Var, near, replace_uses, small_values
+from mtkc.graph_utils import replace_uses
+from mtkc.pattern import Const, Emit, Op, Or, Var, near, small_values
 
 MS = "com.microsoft"
 MASKED = -100.0  # finite (fp16/int16-safe) additive value for masked keys; option `mask_value`

@@ -23,7 +23,8 @@ import onnx_graphsurgeon as gs
 from mtkc.graph_utils import cleanup, toposort
 from mtkc.pass_api import Context, Miss, Pass, PassResult, register
 from mtkc.passes.rope import TABLE
-from mtkc.pattern import constant_of, replace_uses
+from mtkc.graph_utils import replace_uses
+from mtkc.pattern import constant_of
 
 NAME = "hidden_states"
 MODES = ("host-input", "cpu")

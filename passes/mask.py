@@ -26,7 +26,8 @@ import onnx_graphsurgeon as gs
 
 from mtkc.graph_utils import cleanup, toposort
 from mtkc.pass_api import Context, Miss, Pass, PassResult, register
-from mtkc.pattern import Emit, replace_uses, small_values
+from mtkc.graph_utils import replace_uses
+from mtkc.pattern import Emit, small_values
 from mtkc.passes.attention import drop, row_guards
 
 NAME = "attention_mask"

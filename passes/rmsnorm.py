@@ -29,7 +29,8 @@ import onnx_graphsurgeon as gs
 
 from mtkc.graph_utils import cleanup, toposort
 from mtkc.pass_api import Context, Miss, Pass, PassResult, register
-from mtkc.pattern import Const, Emit, Match, Op, Opt, Or, Var, constant_of, near, replace_uses, small_values, values_of
+from mtkc.graph_utils import replace_uses
+from mtkc.pattern import Const, Emit, Match, Op, Opt, Or, Var, constant_of, near, small_values, values_of
 
 MS = "com.microsoft"
 FUSED = {("", "RMSNormalization"), ("", "SimplifiedLayerNormalization"), (MS, "SimplifiedLayerNormalization"),

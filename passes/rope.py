@@ -36,7 +36,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.pass_api import Context, Miss, Pass, PassResult, register
-from mtkc.pattern import Const, Emit, Op, Or, Var, constant_of, near, replace_uses, small_values, values_of
+from mtkc.graph_utils import replace_uses
+from mtkc.pattern import Const, Emit, Op, Or, Var, constant_of, near, small_values, values_of
 
 MS = "com.microsoft"
 POS_EMB = "pos_emb"

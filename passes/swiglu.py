@@ -24,7 +24,8 @@ import onnx_graphsurgeon as gs
 
 from mtkc.graph_utils import cleanup, toposort
 from mtkc.pass_api import Context, Miss, Pass, PassResult, register
-from mtkc.pattern import Emit, Op, Or, Var, constant_of, near, replace_uses
+from mtkc.graph_utils import replace_uses
+from mtkc.pattern import Emit, Op, Or, Var, constant_of, near
 
 MS = "com.microsoft"
 
