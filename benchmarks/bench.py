@@ -108,6 +108,9 @@ def measure(cmd: list[str], limit_mb: float, timeout: float = 1800) -> dict:
 # ----------------------------------------------------------------------------- inputs
 
 
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"  # the test-model factory lives there
+
+
 def ensure_export(cache: Path, size: str, layers: int) -> Path:
     """Export once per (size, layers) into the cache (legacy17 + KV cache); returns model.onnx."""
     out = cache / f"qwen2-{size}-L{layers}-kv"
@@ -117,7 +120,7 @@ def ensure_export(cache: Path, size: str, layers: int) -> Path:
     tmp = Path(f"{out}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     script = (
-        "import sys; from mtkc import factory;"
+        f"import sys; sys.path.insert(0, {str(EXAMPLES)!r}); import factory;"
         f"m = factory.build_model('qwen2', {size!r}, seed=0, layers={layers});"
         f"factory.export(m, {str(tmp)!r}, 'legacy17', cache=True)"
     )

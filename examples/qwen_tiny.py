@@ -18,7 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from mtkc import cli, factory, generate
+import factory
+from mtkc import cli
+from mtkc.runtime import generate
 
 SDKS = ("6.0", "9.0")
 COMPILE_SDK = "8.0"

@@ -1,4 +1,4 @@
 """Capability tables, one TOML file per NeuroPilot SDK version (`neuropilot-<ver>.toml`).
 
-Data only: the loader and the constraint vocabulary live in `mtkc.capability`.
+Data only: the loader and the constraint vocabulary live in `mtkc.target.capability`.
 """

@@ -1,1 +1,1 @@
-"""Built-in rewrite passes; each module registers its passes with `mtkc.pass_manager.register`."""
+"""Built-in rewrite passes; each module registers its passes with `mtkc.manager.pass_manager.register`."""

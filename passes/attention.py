@@ -28,9 +28,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from mtkc.pass_api import Context, Miss, Pass, PassResult, register
-from mtkc.graph_utils import replace_uses
-from mtkc.pattern import Const, Emit, Op, Or, Var, near, small_values
+from mtkc.ir.graph_utils import replace_uses
+from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
+from mtkc.rewrite.pattern import Const, Emit, Op, Or, Var, near, small_values
 
 MS = "com.microsoft"
 MASKED = -100.0  # finite (fp16/int16-safe) additive value for masked keys; option `mask_value`

@@ -17,7 +17,7 @@ value from, in order:
 total = seq + cache when the graph has past inputs, else seq. `batch` defaults to 1 once any
 dim is bound. Refuses (Miss) a dim it cannot value; a static dim that contradicts the request
 is an InputError. Emits: the bound input shapes, output shapes from their dim expressions, and
-dtype/shape of every tensor by `mtkc.shapes.infer` (weights stripped, never serialised).
+dtype/shape of every tensor by `mtkc.ir.shapes.infer` (weights stripped, never serialised).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from __future__ import annotations
 import ast
 import operator
 
-from mtkc import shapes
 from mtkc.errors import InputError
-from mtkc.pass_api import Context, Miss, Pass, PassResult, register
+from mtkc.ir import shapes
+from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 
 SYMBOL_ROLES = {
     "batch": "batch", "batch_size": "batch",

@@ -24,8 +24,8 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from mtkc import graph_utils as gu
-from mtkc.pass_api import Context, Pass, PassResult, register
+from mtkc.ir import graph_utils as gu
+from mtkc.rewrite.pass_api import Context, Pass, PassResult, register
 
 MAX_SWEEPS = 10
 HASH_BYTES = 1 << 20

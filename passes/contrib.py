@@ -24,8 +24,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from mtkc import graph_utils as gu
-from mtkc.pass_api import Context, Miss, Pass, PassResult, register
+from mtkc.ir import graph_utils as gu
+from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 
 MS = "com.microsoft"
 

@@ -20,11 +20,10 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from mtkc.graph_utils import cleanup, toposort
-from mtkc.pass_api import Context, Miss, Pass, PassResult, register
+from mtkc.ir.graph_utils import cleanup, replace_uses, toposort
 from mtkc.passes.rope import TABLE
-from mtkc.graph_utils import replace_uses
-from mtkc.pattern import constant_of
+from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
+from mtkc.rewrite.pattern import constant_of
 
 NAME = "hidden_states"
 MODES = ("host-input", "cpu")

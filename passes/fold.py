@@ -26,9 +26,9 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from mtkc import execute, shapes
-from mtkc import graph_utils as gu
-from mtkc.pass_api import Context, Miss, Pass, PassResult, register
+from mtkc.ir import execute, shapes
+from mtkc.ir import graph_utils as gu
+from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 
 FOLD_MAX_ELEMENTS = 1 << 20
 MAX_ROUNDS = 8

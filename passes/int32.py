@@ -26,9 +26,9 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from mtkc import graph_utils as gu
-from mtkc import shapes
-from mtkc.pass_api import Context, Miss, Pass, PassResult, register
+from mtkc.ir import graph_utils as gu
+from mtkc.ir import shapes
+from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 
 I32 = np.iinfo(np.int32)
 REDUCE = {"ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2", "ReduceLogSum",

@@ -1,6 +1,6 @@
 """KV cache: a decoder export -> static prefill / decode graphs over a fixed-size cache.
 
-How compile uses this module (`mtkc.compile`): `variants(graph, options)` plans the graphs,
+How compile uses this module (`mtkc.pipeline.compile`): `variants(graph, options)` plans the graphs,
 and the pipeline runs once per variant on a fresh load, all graphs through one WeightWriter:
     model                       a model without KV cache (options kv_cache False, or None and
                                 no cache inputs)
@@ -48,10 +48,10 @@ import networkx as nx
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from mtkc import shapes
 from mtkc.errors import InputError
-from mtkc.pass_api import Context, NodeNames, Pass, PassResult, register
-from mtkc.pattern import values_of
+from mtkc.ir import shapes
+from mtkc.rewrite.pass_api import Context, NodeNames, Pass, PassResult, register
+from mtkc.rewrite.pattern import values_of
 
 DEFAULT_SEQ_LEN = 128
 DEFAULT_CACHE_LEN = 512
@@ -618,7 +618,7 @@ class LayerChunks(Pass):
     def map_feeds(self, feeds, ctx):
         if self.prefix is None:
             return feeds
-        from mtkc.execute import run
+        from mtkc.ir.execute import run
 
         hidden = next(iter(run(self.prefix, {t.name: feeds[t.name] for t in self.prefix.inputs}, ctx.root).values()))
         return {**feeds, "hidden_states": hidden}

@@ -17,8 +17,8 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from mtkc import graph_utils as gu
-from mtkc.pass_api import Context, Miss, Pass, PassResult, register
+from mtkc.ir import graph_utils as gu
+from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 
 BROADCAST_OPS = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Mod", "Equal", "Less", "LessOrEqual", "Greater",
                  "GreaterOrEqual", "And", "Or", "Xor", "Where", "PRelu", "BitShift"}

@@ -24,11 +24,10 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from mtkc.graph_utils import cleanup, toposort
-from mtkc.pass_api import Context, Miss, Pass, PassResult, register
-from mtkc.graph_utils import replace_uses
-from mtkc.pattern import Emit, small_values
+from mtkc.ir.graph_utils import cleanup, replace_uses, toposort
 from mtkc.passes.attention import drop, row_guards
+from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
+from mtkc.rewrite.pattern import Emit, small_values
 
 NAME = "attention_mask"
 DEFAULT_VALUE = -100.0

@@ -21,8 +21,8 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
-from mtkc import graph_utils as gu
-from mtkc.pass_api import Context, Miss, Pass, PassResult, register
+from mtkc.ir import graph_utils as gu
+from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 
 TARGET = 17
 REDUCE_18 = {"ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",

@@ -27,10 +27,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from mtkc.graph_utils import cleanup, toposort
-from mtkc.pass_api import Context, Miss, Pass, PassResult, register
-from mtkc.graph_utils import replace_uses
-from mtkc.pattern import Const, Emit, Match, Op, Opt, Or, Var, constant_of, near, small_values, values_of
+from mtkc.ir.graph_utils import cleanup, replace_uses, toposort
+from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
+from mtkc.rewrite.pattern import Const, Emit, Match, Op, Opt, Or, Var, constant_of, near, small_values, values_of
 
 MS = "com.microsoft"
 FUSED = {("", "RMSNormalization"), ("", "SimplifiedLayerNormalization"), (MS, "SimplifiedLayerNormalization"),

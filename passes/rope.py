@@ -35,9 +35,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from mtkc.pass_api import Context, Miss, Pass, PassResult, register
-from mtkc.graph_utils import replace_uses
-from mtkc.pattern import Const, Emit, Op, Or, Var, constant_of, near, small_values, values_of
+from mtkc.ir.graph_utils import replace_uses
+from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
+from mtkc.rewrite.pattern import Const, Emit, Op, Or, Var, constant_of, near, small_values, values_of
 
 MS = "com.microsoft"
 POS_EMB = "pos_emb"
@@ -306,7 +306,7 @@ def _max_positions(ctx: Context, source: gs.Tensor) -> int | str:
 
 def _evaluate(graph: gs.Graph, ctx: Context, source: gs.Tensor, targets: list, max_pos: int):
     """[(table [max_pos, F], rank of the target)] by running source -> targets on 0..max_pos-1."""
-    from mtkc.execute import run
+    from mtkc.ir.execute import run
 
     sub = graph.copy()
     tensors = sub.tensors()

@@ -22,10 +22,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from mtkc.graph_utils import cleanup, toposort
-from mtkc.pass_api import Context, Miss, Pass, PassResult, register
-from mtkc.graph_utils import replace_uses
-from mtkc.pattern import Emit, Op, Or, Var, constant_of, near
+from mtkc.ir.graph_utils import cleanup, replace_uses, toposort
+from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
+from mtkc.rewrite.pattern import Emit, Op, Or, Var, constant_of, near
 
 MS = "com.microsoft"
 

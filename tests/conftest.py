@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -19,16 +20,19 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # the test-model factory
+
 SEED = 0
 
 
 def _export_root(config) -> Path:
-    from mtkc import factory
+    import factory
 
     source = hashlib.sha256(Path(factory.__file__).read_bytes()).hexdigest()[:12]
     versions = "-".join(metadata.version(p) for p in ("torch", "transformers", "onnxscript", "onnxruntime"))
     key = f"{source}-{versions}".replace("+", "_")
-    root = Path(config.cache.mkdir("mtkc-exports")) / key
+    shared = os.environ.get("MTKC_EXPORT_CACHE")  # several checkouts may share one export cache
+    root = (Path(shared) if shared else Path(config.cache.mkdir("mtkc-exports"))) / key
     root.mkdir(parents=True, exist_ok=True)
     return root
 
@@ -36,7 +40,7 @@ def _export_root(config) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model():
     """`tiny_model(family="qwen2", attn="sdpa")` -> the seeded random-weight torch model (built once each)."""
-    from mtkc import factory
+    import factory
 
     models = {}
 
@@ -51,7 +55,7 @@ def tiny_model():
 @pytest.fixture(scope="session")
 def exported(request, tiny_model):
     """`exported(family="qwen2", exporter="legacy17", cache=False, attn="sdpa")` -> Path to the tiny model.onnx."""
-    from mtkc import factory
+    import factory
 
     root = _export_root(request.config)
 

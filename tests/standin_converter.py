@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--style", choices=("named", "terse", "opaque"), default="named")
     args = p.parse_args(argv)
 
-    from mtkc.capability import available_sdks, load_table
+    from mtkc.target.capability import available_sdks, load_table
 
     sdk = args.sdk or _sdk_for(args.arch, available_sdks(), load_table)
     table = load_table(sdk, args.arch or None)

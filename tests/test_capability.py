@@ -10,10 +10,10 @@ import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from mtkc import capability
-from mtkc.capability import Catalog, load_table
 from mtkc.errors import InputError
-from mtkc.pass_manager import builtin_passes
+from mtkc.manager.pass_manager import builtin_passes
+from mtkc.target import capability
+from mtkc.target.capability import Catalog, load_table
 
 SDKS = ["6.0", "7.0", "8.0", "9.0"]
 BUILTIN_PASSES = set(builtin_passes())  # every remedy must name a pass that exists

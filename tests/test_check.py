@@ -7,7 +7,7 @@ import json
 import pytest
 
 from mtkc import cli
-from mtkc.check import check  # compiled=False: binding/verdict tests need no pipeline run
+from mtkc.pipeline.check import check  # compiled=False: binding/verdict tests need no pipeline run
 
 EXPORTERS = ["legacy14", "legacy17", "dynamo", "hf"]
 FAMILIES = ["qwen2", "llama"]

@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mtkc import execute
-from mtkc.capability import load_table
-from mtkc.compile import compile_model
 from mtkc.errors import InputError, MismatchError
-from mtkc.model import load
+from mtkc.ir import execute
+from mtkc.ir.model import load
 from mtkc.passes.pipelines import default_pipeline
+from mtkc.pipeline.compile import compile_model
+from mtkc.target.capability import load_table
 
 SDK = "8.0"
 STABLE = ["bind-shapes", "fold", "rmsnorm", "swiglu"]  # keep the I/O contract: outputs comparable as is
@@ -221,7 +221,7 @@ def test_output_does_not_depend_on_hash_seed_or_folder_name(source, tmp_path):
 
 
 def test_check_reports_coverage_after_passes_and_the_pass_per_node(source):
-    from mtkc.check import check
+    from mtkc.pipeline.check import check
 
     report = check(source, SDK, seq_len=8).to_json()
     assert 0 < report["coverage"]["raw"] < report["coverage"]["compiled"] <= 1
@@ -240,7 +240,7 @@ def test_a_failure_while_writing_keeps_the_previous_output(source, tmp_path, mon
     def disk_full(path, text):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("mtkc.deliver._write", disk_full)
+    monkeypatch.setattr("mtkc.backend.deliver._write", disk_full)
     with pytest.raises(OSError, match="No space left"):
         compile_model(source, SDK, out, {"passes": ["bind-shapes", "fold"], "seq_len": 8, "overwrite": True})
     assert files(out) == before

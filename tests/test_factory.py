@@ -11,7 +11,8 @@ import onnx
 import onnx_graphsurgeon as gs
 import pytest
 
-from mtkc import execute, factory
+import factory
+from mtkc.ir import execute
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 FAMILIES = ["qwen2", "llama"]

@@ -13,10 +13,10 @@ import numpy as np
 import onnx
 import pytest
 
-from mtkc import factory
-from mtkc.check import check
-from mtkc.compile import compile_model
-from mtkc.generate import Generator
+import factory
+from mtkc.pipeline.check import check
+from mtkc.pipeline.compile import compile_model
+from mtkc.runtime.generate import Generator
 
 T, C, NEW = 8, 64, 32
 PROMPTS = {"short": [5, 17, 300], "equal": list(range(10, 18)), "long": list(range(40, 53))}

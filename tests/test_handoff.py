@@ -12,14 +12,14 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from mtkc import handoff
-from mtkc.capability import load_table
+from mtkc.backend import handoff
+from mtkc.backend.manifest import graph_entry
+from mtkc.backend.partition import name_nodes, partition, place
+from mtkc.backend.stitch import cut
 from mtkc.errors import InputError
-from mtkc.manifest import graph_entry
-from mtkc.model import load
-from mtkc.partition import name_nodes, partition, place
-from mtkc.stitch import cut
-from mtkc.weights import WeightWriter
+from mtkc.ir.model import load
+from mtkc.ir.weights import WeightWriter
+from mtkc.target.capability import load_table
 
 STANDIN = Path(__file__).with_name("standin_converter.py")
 STANDIN_CMD = f"{sys.executable} {STANDIN} --input {{input}} --output {{output}} --arch {{arch}} --sdk {{sdk}}"
@@ -178,7 +178,7 @@ def test_compile_cli_standin_sees_legal_partitions_and_failure_exits_3(exported,
 
 
 def test_unsupported_and_forced_nodes_land_on_cpu_with_their_reason(tmp_path):
-    from mtkc.compile import compile_model
+    from mtkc.pipeline.compile import compile_model
 
     src = tmp_path / "src"
     src.mkdir()
@@ -201,7 +201,7 @@ def test_unsupported_and_forced_nodes_land_on_cpu_with_their_reason(tmp_path):
 
 
 def test_two_compiles_are_byte_identical(exported, tmp_path, monkeypatch):
-    from mtkc.compile import compile_model
+    from mtkc.pipeline.compile import compile_model
 
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no converter on PATH: convert.sh only
     outs = [tmp_path / name for name in ("a", "b")]

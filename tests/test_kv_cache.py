@@ -10,12 +10,12 @@ import onnx_graphsurgeon as gs
 import pytest
 import torch
 
-from mtkc import model as mmodel
-from mtkc.compile import compile_model
 from mtkc.errors import InputError
-from mtkc.generate import Generator
-from mtkc.pass_api import Context
+from mtkc.ir import model as mmodel
 from mtkc.passes import kv_cache
+from mtkc.pipeline.compile import compile_model
+from mtkc.rewrite.pass_api import Context
+from mtkc.runtime.generate import Generator
 
 T, C = 8, 64
 

@@ -15,11 +15,11 @@ import pytest
 from onnx import TensorProto as TP
 from onnx import helper as oh
 
-from mtkc.capability import load_table
-from mtkc.execute import run
-from mtkc.model import load
-from mtkc.pass_api import Context
+from mtkc.ir.execute import run
+from mtkc.ir.model import load
 from mtkc.passes.contrib import ContribOps, permutation
+from mtkc.rewrite.pass_api import Context
+from mtkc.target.capability import load_table
 
 
 def _fused(shape_a, shape_b, known_rank=True, **attrs):

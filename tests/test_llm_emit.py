@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from mtkc.pattern import Emit
+from mtkc.rewrite.pattern import Emit
 
 
 def test_emit_names_are_unique_deterministic_and_shared_per_graph():

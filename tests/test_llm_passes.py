@@ -18,13 +18,13 @@ from onnx import TensorProto as TP
 from onnx import helper as oh
 from onnx import numpy_helper as nh
 
-from mtkc.capability import load_table
-from mtkc.execute import run
-from mtkc.model import load
-from mtkc.pass_api import Context
-from mtkc.pass_manager import load_registry, resolve_pipeline, run_pipeline
+from mtkc.ir.execute import run
+from mtkc.ir.model import load
+from mtkc.manager.pass_manager import load_registry, resolve_pipeline, run_pipeline
 from mtkc.passes import attention, embedding, mask, rmsnorm, rope, swiglu
-from mtkc.pattern import Const, Op, Or, Var, match, near
+from mtkc.rewrite.pass_api import Context
+from mtkc.rewrite.pattern import Const, Op, Or, Var, match, near
+from mtkc.target.capability import load_table
 
 LAYERS = 2
 T, C = 3, 4

@@ -1,4 +1,4 @@
-"""mtkc.model.load on hostile and broken models: one-line InputError naming file and tensor/node,
+"""mtkc.ir.model.load on hostile and broken models: one-line InputError naming file and tensor/node,
 nothing outside the model folder touched, no weight byte read; and read_values numerics."""
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mtkc import execute
-from mtkc import model as mmodel
-from mtkc import weights
 from mtkc.errors import InputError
+from mtkc.ir import execute, weights
+from mtkc.ir import model as mmodel
 
 W = np.arange(64 * 32, dtype=np.float32).reshape(64, 32) / 100  # 8192 bytes
 NBYTES = W.nbytes
@@ -337,7 +336,7 @@ LAZY_SCRIPT = textwrap.dedent("""
     import sys
     opened = []
     sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "open" else None)
-    from mtkc import model
+    from mtkc.ir import model
     m = model.load(sys.argv[1])
     print("load", sum("data.bin" in p for p in opened))
     m.graph.nodes[0].inputs[1].values  # graphsurgeon's own accessor reads through mtkc
@@ -500,7 +499,7 @@ def test_deep_subgraph_nesting_is_refused(tmp_path):
 
 def test_mtkc_subgraph_depth_cap(tmp_path, monkeypatch):
     """The cap itself (protobuf's limit usually fires first, at about 32 If levels)."""
-    from mtkc import model_checks
+    from mtkc.ir import model_checks
 
     monkeypatch.setattr(model_checks, "MAX_SUBGRAPH_DEPTH", 5)
     path = tmp_path / "model.onnx"
@@ -590,7 +589,7 @@ def test_fresh_is_the_graph_as_loaded_after_passes_edited_the_first(tmp_path):
 
 
 def test_raw_data_lengths_come_from_the_wire_format(tmp_path, monkeypatch):
-    from mtkc import model_checks
+    from mtkc.ir import model_checks
 
     path = _inline_matmul(tmp_path)
     assert model_checks.raw_sizes(path) == [W.nbytes]
@@ -610,7 +609,7 @@ def test_raw_data_lengths_come_from_the_wire_format(tmp_path, monkeypatch):
 
 
 def test_raw_data_scan_of_a_truncated_file_gives_up(tmp_path):
-    from mtkc import model_checks
+    from mtkc.ir import model_checks
 
     path = _inline_matmul(tmp_path)
     path.write_bytes(path.read_bytes()[:-40])

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from mtkc.cli import main
-from mtkc.compile import compile_model
 from mtkc.errors import ConverterError
+from mtkc.pipeline.compile import compile_model
 
 STANDIN = Path(__file__).with_name("standin_converter.py")
 STANDIN_CMD = f"{sys.executable} {STANDIN} --input {{input}} --output {{output}} --arch {{arch}}"
@@ -48,7 +48,7 @@ def previous(exported, tmp_path):
 NEW = {"seq_len": 8, "passes": PASSES, "overwrite": True, "no_convert": True}
 
 
-@pytest.mark.parametrize("where", ["mtkc.report.overlay", "mtkc.report.markdown", "mtkc.handoff._write_script"])
+@pytest.mark.parametrize("where", ["mtkc.backend.report.overlay", "mtkc.backend.report.markdown", "mtkc.backend.handoff._write_script"])
 def test_a_failure_while_writing_reports_keeps_the_previous_output(exported, previous, tmp_path, monkeypatch, where):
     out, before = previous
 
@@ -62,7 +62,7 @@ def test_a_failure_while_writing_reports_keeps_the_previous_output(exported, pre
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging folder left behind
 
 
-@pytest.mark.parametrize("where", ["mtkc.report.markdown", "mtkc.handoff._execute"])
+@pytest.mark.parametrize("where", ["mtkc.backend.report.markdown", "mtkc.backend.handoff._execute"])
 def test_ctrl_c_keeps_the_previous_output_and_exits_130(exported, previous, tmp_path, monkeypatch, capsys, where):
     """Ctrl-C while writing the report, or while the converter runs (inside the staging folder)."""
     out, before = previous
@@ -127,7 +127,7 @@ def test_sigkill_at_random_points_never_leaves_a_half_output(exported, previous,
     assert "before" in seen  # the first kill (at 20%) landed before the swap
 
 
-# ---------------------------------------------------------------------------- mtkc.staging on plain folders
+# ---------------------------------------------------------------------------- mtkc.backend.staging on plain folders
 
 
 def _fill(folder: Path, text: str) -> None:
@@ -137,7 +137,7 @@ def _fill(folder: Path, text: str) -> None:
 
 @pytest.mark.parametrize("exchange", [True, False])
 def test_staged_replaces_an_existing_folder(tmp_path, monkeypatch, exchange):
-    from mtkc import staging
+    from mtkc.backend import staging
 
     if not exchange:  # a file system without RENAME_EXCHANGE: two renames
         monkeypatch.setattr(staging, "_exchange", lambda a, b: False)
@@ -149,7 +149,7 @@ def test_staged_replaces_an_existing_folder(tmp_path, monkeypatch, exchange):
 
 
 def test_staged_fallback_puts_the_previous_folder_back_when_the_second_rename_fails(tmp_path, monkeypatch):
-    from mtkc import staging
+    from mtkc.backend import staging
 
     monkeypatch.setattr(staging, "_exchange", lambda a, b: False)
     _fill(tmp_path / "out", "old")
@@ -171,7 +171,7 @@ def test_staged_fallback_puts_the_previous_folder_back_when_the_second_rename_fa
 def test_staged_removes_staging_of_dead_processes_only(tmp_path):
     import os
 
-    from mtkc import staging
+    from mtkc.backend import staging
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mtkc.backend.partition import CPU, NPU, name_nodes, parse_patterns, partition, place
 from mtkc.errors import InputError
-from mtkc.partition import CPU, NPU, name_nodes, parse_patterns, partition, place
 
 
 def make_dag(edges_spec: list[list[int]], n_inputs: int = 2) -> gs.Graph:
@@ -181,8 +181,8 @@ def test_linear_time_on_long_chain():
 @given(dags(max_nodes=12))
 def test_stitched_partitions_compute_the_whole_graph(case):
     """Cut into one ONNX per partition, run in order by boundary names: same outputs as the graph."""
-    from mtkc.execute import run
-    from mtkc.stitch import cut
+    from mtkc.backend.stitch import cut
+    from mtkc.ir.execute import run
 
     spec, mask = case
     graph = make_dag(spec)
@@ -230,7 +230,7 @@ def test_subgraph_reads_count_as_edges():
     graph = gs.Graph(nodes=[nodes[1], nodes[0], nodes[2]], inputs=[x, cond], outputs=[y], opset=17)
     parts, _ = partition(graph, place(graph, verdict_from({"producer": False, "if": True, "after": True})))
     assert [(p.id, [n.name for n in p.nodes]) for p in parts] == [("cpu0", ["producer"]), ("npu1", ["if", "after"])]
-    from mtkc.stitch import boundaries
+    from mtkc.backend.stitch import boundaries
 
     (_, cpu_out), (npu_in, _) = boundaries(graph, parts)
     assert [t.name for t in cpu_out] == ["a"] and [t.name for t in npu_in] == ["cond", "a"]

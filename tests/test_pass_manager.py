@@ -10,14 +10,14 @@ import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto, helper
 
-from mtkc import execute
-from mtkc.capability import load_table
-from mtkc.config import load_config, merge
 from mtkc.errors import InputError, MismatchError, MtkcError, PassError
-from mtkc.model import load
-from mtkc.pass_api import Context, Pass, PassResult
-from mtkc.pass_manager import Pipeline, builtin_passes, load_registry, resolve_pipeline, run_pipeline
+from mtkc.ir import execute
+from mtkc.ir.model import load
+from mtkc.manager.pass_manager import Pipeline, builtin_passes, load_registry, resolve_pipeline, run_pipeline
 from mtkc.passes.pipelines import default_pipeline
+from mtkc.pipeline.config import load_config, merge
+from mtkc.rewrite.pass_api import Context, Pass, PassResult
+from mtkc.target.capability import load_table
 
 PLUGINS = Path(__file__).parent / "plugins"
 SDK = "8.0"
@@ -372,10 +372,10 @@ def test_default_pipeline_keeps_numbers_on_tiny_export(exported, table):
 @pytest.fixture
 def installed_plugin(tmp_path, monkeypatch):
     """A fake installed distribution `mtkc-demo 0.3` with two `mtkc.passes` entry points."""
-    from mtkc import pass_manager
+    from mtkc.manager import pass_manager
 
     (tmp_path / "mtkc_demo.py").write_text(
-        "from mtkc.pass_api import Pass, PassResult\n"
+        "from mtkc.rewrite.pass_api import Pass, PassResult\n"
         "class Demo(Pass):\n    name = 'demo-pass'\n    description = 'installed demo'\n"
         "    def run(self, graph, ctx):\n        return PassResult()\n"
         "class Clash(Pass):\n    name = 'fold'\n"

@@ -10,11 +10,11 @@ import onnx
 import onnx_graphsurgeon as gs
 import pytest
 
-from mtkc import execute, shapes
-from mtkc import model as mtkc_model
 from mtkc.errors import InputError
-from mtkc.pass_api import Context
+from mtkc.ir import execute, shapes
+from mtkc.ir import model as mtkc_model
 from mtkc.passes import bind_shapes, cleanup, fold, int32, legalize, opset17, rank4  # noqa: F401 (registers)
+from mtkc.rewrite.pass_api import Context
 
 PIPELINE = [bind_shapes.BindShapes, fold.Fold, cleanup.Cleanup, opset17.Opset17, int32.Int64ToInt32,
             rank4.Rank4, legalize.Legalize]
@@ -103,9 +103,9 @@ def test_left_padding_still_matches(exported):
 
 def test_cache_len_on_a_no_cache_export_is_ignored(exported):
     """--cache-len with a no-cache model: the mask input stays [1,1,T,T] (was T+C: int64-to-int32 failed)."""
-    from mtkc.capability import load_table
-    from mtkc.pass_manager import load_registry, resolve_pipeline
-    from mtkc.pass_manager import run_pipeline as run_passes
+    from mtkc.manager.pass_manager import load_registry, resolve_pipeline
+    from mtkc.manager.pass_manager import run_pipeline as run_passes
+    from mtkc.target.capability import load_table
 
     path = exported("llama", "legacy14", False)
     model = mtkc_model.load(path)

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mtkc import execute, shapes
-from mtkc.pass_api import Context
+from mtkc.ir import execute, shapes
 from mtkc.passes import cleanup, fold, int32, legalize, opset17, rank4
+from mtkc.rewrite.pass_api import Context
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SLOW = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

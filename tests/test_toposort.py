@@ -7,8 +7,8 @@ import onnx_graphsurgeon as gs
 import pytest
 
 from mtkc.errors import PassError
-from mtkc.invariants import restore
-from mtkc.toposort import cycle_node, kahn_order
+from mtkc.ir.toposort import cycle_node, kahn_order
+from mtkc.manager.invariants import restore
 
 
 def test_kahn_order_of_a_dag_with_a_repeated_edge():

@@ -9,9 +9,9 @@ import numpy as np
 import onnx
 import pytest
 
-from mtkc import verify as V
-from mtkc.compile import compile_model
 from mtkc.errors import InputError
+from mtkc.pipeline import verify as V
+from mtkc.pipeline.compile import compile_model
 
 PASSES = ["bind-shapes", "fold", "cleanup", "mask", "rope", "rmsnorm", "swiglu", "attention"]
 
@@ -156,7 +156,7 @@ def test_chains_reject_wiring_from_a_later_graph():
 
 def test_rtol_is_relative_to_the_output_scale():
     """fp32 reordering noise near zero passes; an error of 1 % of the output's scale does not."""
-    from mtkc.verify import compare
+    from mtkc.pipeline.verify import compare
 
     expected = np.array([50.0, -30.0, 1e-4, 0.0])
     noisy = expected + np.array([3e-3, -2e-3, 2e-3, -1e-3])  # ORT's own optimizer moves real logits so

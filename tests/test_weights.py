@@ -1,4 +1,4 @@
-"""mtkc.weights: graphs saved with one shared weights file, each tensor stored once, bytes
+"""mtkc.ir.weights: graphs saved with one shared weights file, each tensor stored once, bytes
 deterministic, numerics unchanged in onnxruntime, and the input model never overwritten."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import onnx_graphsurgeon as gs
 import onnxruntime as ort
 import pytest
 
-from mtkc import execute, weights
-from mtkc import model as mmodel
 from mtkc.errors import InputError
+from mtkc.ir import execute, weights
+from mtkc.ir import model as mmodel
 
 RNG = np.random.default_rng(0)
 W = RNG.standard_normal((64, 32)).astype(np.float32)  # 8192 bytes, external in the source

@@ -9,9 +9,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mtkc.capability import remedy_text
-from mtkc.check import CheckReport, check
 from mtkc.commands import options
+from mtkc.pipeline.check import CheckReport, check
+from mtkc.target.capability import remedy_text
 
 EXAMPLES = 3  # example node names per row in the text table
 
@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from mtkc.config import KEYS, from_args
+    from mtkc.pipeline.config import KEYS, from_args
 
     opts = from_args(args)  # config (--config or ./mtkc.toml) overridden by the CLI, as in compile
     pipeline = {k: v for k, v in opts.items() if k in ("passes", "skip_passes", "plugins") or k not in KEYS}

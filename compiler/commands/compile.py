@@ -48,9 +48,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from mtkc.compile import compile_model
-    from mtkc.config import from_args
-    from mtkc.pass_manager import load_registry
+    from mtkc.manager.pass_manager import load_registry
+    from mtkc.pipeline.compile import compile_model
+    from mtkc.pipeline.config import from_args
 
     options = from_args(args)
     options.update(partitioning_options(args))

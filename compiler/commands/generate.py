@@ -37,7 +37,7 @@ def parse_ids(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mtkc.generate import Generator
+    from mtkc.runtime.generate import Generator
 
     if args.max_new_tokens < 0:
         raise InputError(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import sys
 
-from mtkc import capability
 from mtkc.commands import options
 from mtkc.errors import InputError
+from mtkc.target import capability
 
 
 def add_parser(sub) -> None:

@@ -24,7 +24,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from mtkc.config import from_args
+    from mtkc.pipeline.config import from_args
 
     options = from_args(args)
     sdk = options.pop("sdk")
@@ -41,14 +41,14 @@ def run(args) -> int:
 def list_passes(sdk: str | None, options: dict) -> tuple[list[dict], list[str] | None]:
     """One row per pass: name, origin, description, applies (None without an SDK), default (named
     in the SDK's default pipeline, or an enabled plugin); and the effective pipeline (with an SDK)."""
-    from mtkc.pass_api import Context
-    from mtkc.pass_manager import guarded, load_registry, resolve_pipeline
+    from mtkc.manager.pass_manager import guarded, load_registry, resolve_pipeline
     from mtkc.passes.pipelines import default_pipeline
+    from mtkc.rewrite.pass_api import Context
 
     registry = load_registry(options.get("plugins") or [])
     ctx = pipeline = None
     if sdk:
-        from mtkc.capability import load_table
+        from mtkc.target.capability import load_table
 
         ctx = Context(load_table(sdk, options.get("arch")), options)
         pipeline = resolve_pipeline(registry, ctx, options.get("passes"), options.get("skip_passes") or []).names

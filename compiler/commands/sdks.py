@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
-from mtkc import capability
 from mtkc.commands import options
+from mtkc.target import capability
 
 
 def add_parser(sub) -> None:

@@ -8,7 +8,7 @@ import sys
 
 from mtkc.commands.options import add_common
 from mtkc.errors import InputError, MismatchError
-from mtkc.verify import format_text, verify
+from mtkc.pipeline.verify import format_text, verify
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

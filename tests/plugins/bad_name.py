@@ -1,6 +1,6 @@
 """A plugin registering a pass whose name is not kebab-case."""
 
-from mtkc.pass_api import Pass, register
+from mtkc.rewrite.pass_api import Pass, register
 
 
 @register

@@ -1,6 +1,6 @@
 """A plugin pass that breaks an invariant: it removes the producer of a used tensor."""
 
-from mtkc.pass_api import Pass, PassResult, register
+from mtkc.rewrite.pass_api import Pass, PassResult, register
 
 
 @register

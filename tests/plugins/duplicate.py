@@ -1,6 +1,6 @@
 """A plugin registering a name a built-in already has."""
 
-from mtkc.pass_api import Pass, register
+from mtkc.rewrite.pass_api import Pass, register
 
 
 @register

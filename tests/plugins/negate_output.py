@@ -2,7 +2,7 @@
 
 import onnx_graphsurgeon as gs
 
-from mtkc.pass_api import Pass, PassResult, register
+from mtkc.rewrite.pass_api import Pass, PassResult, register
 
 
 @register

@@ -1,6 +1,6 @@
 """A plugin pass that crashes while running."""
 
-from mtkc.pass_api import Pass, register
+from mtkc.rewrite.pass_api import Pass, register
 
 
 @register

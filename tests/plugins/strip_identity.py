@@ -1,6 +1,6 @@
 """A well-behaved plugin pass: bypass Identity nodes (numerically neutral, idempotent)."""
 
-from mtkc.pass_api import Pass, PassResult, register
+from mtkc.rewrite.pass_api import Pass, PassResult, register
 
 
 @register

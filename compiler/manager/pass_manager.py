@@ -6,9 +6,9 @@ Registry:  built-ins (every module of `mtkc.passes`, imported in name order), th
            `--plugin FILE.py|module` (its `@register`ed passes run by default).
 Pipeline:  `--passes` (exact list) or the SDK's default list plus enabled plugin passes,
            minus `--skip-pass`; passes whose `applies(ctx)` is false are skipped and reported.
-Running:   after each pass the graph invariants are restored and checked (`mtkc.invariants`);
+Running:   after each pass the graph invariants are restored and checked (`mtkc.manager.invariants`);
            per-pass stats are kept; `--verify-each` compares with the input model after every
-           pass that changed the graph (`mtkc.verify_each`).
+           pass that changed the graph (`mtkc.manager.verify_each`).
 A plugin that fails to import, registers a bad name, or raises is a PassError naming it.
 """
 
@@ -28,9 +28,9 @@ from typing import Callable
 
 import onnx_graphsurgeon as gs
 
-from mtkc import invariants
 from mtkc.errors import InputError, MtkcError, PassError
-from mtkc.pass_api import REGISTRY, Context, Miss, Pass, PassResult, collecting, describe
+from mtkc.manager import invariants
+from mtkc.rewrite.pass_api import REGISTRY, Context, Miss, Pass, PassResult, collecting, describe
 
 log = logging.getLogger("mtkc.passes")
 
@@ -131,7 +131,7 @@ def load_plugin(spec: str) -> dict[str, type[Pass]]:
         except Exception as exc:
             raise PassError(f"{origin} failed to import: {one_line(exc)}") from None
     if not found:
-        raise PassError(f"{origin} registers no pass (decorate a Pass subclass with @mtkc.pass_api.register)")
+        raise PassError(f"{origin} registers no pass (decorate a Pass subclass with @mtkc.rewrite.pass_api.register)")
     return dict(found)
 
 
@@ -255,7 +255,7 @@ def run_pipeline(
     invariants.restore(graph, None, InputError)
     invariants.check(graph, None, error=InputError)
     if verify_each:
-        from mtkc.verify_each import EachVerifier
+        from mtkc.manager.verify_each import EachVerifier
 
         verifier = EachVerifier(graph, ctx, seed)
     else:
@@ -294,7 +294,7 @@ def run_pipeline(
 
 def _fill_types(graph: gs.Graph, root) -> None:
     """ONNX shape inference for tensors without dtype/static shape; known ones are kept as they are."""
-    from mtkc.shapes import infer
+    from mtkc.ir.shapes import infer
 
     known = {
         id(t): (t.dtype, t.shape)

@@ -7,7 +7,7 @@
 decoder (`mtkc.passes.kv_cache.variants`); each variant is the pipeline run on a fresh graph
 (`Model.fresh`: the file is parsed once) with its option overrides. `_partitions` splits one graph into NPU/CPU pieces.
 Every file (graphs, weights, manifest, reports, convert.sh, converter logs) is written into a
-sibling staging folder swapped into place at the end (`mtkc.staging`): OUT is complete or the
+sibling staging folder swapped into place at the end (`mtkc.backend.staging`): OUT is complete or the
 previous OUT is intact; an existing OUT is only replaced with `overwrite`. Same input + options -> byte-identical model, weights, manifest.
 """
 
@@ -21,13 +21,14 @@ from typing import Any
 
 import onnx_graphsurgeon as gs
 
-from mtkc import __version__, manifest
+from mtkc import __version__
+from mtkc.backend import manifest
+from mtkc.backend.staging import staged
 from mtkc.errors import InputError
-from mtkc.model import Model, load
-from mtkc.pass_api import Context
-from mtkc.pass_manager import Pipeline, PassRecord, load_registry, resolve_pipeline, run_pipeline
-from mtkc.staging import staged
-from mtkc.weights import WeightWriter
+from mtkc.ir.model import Model, load
+from mtkc.ir.weights import WeightWriter
+from mtkc.manager.pass_manager import PassRecord, Pipeline, load_registry, resolve_pipeline, run_pipeline
+from mtkc.rewrite.pass_api import Context
 
 # Compile options (keys of `options`; all optional); all but RUN_OPTIONS go in the manifest.
 OUTPUT_OPTIONS = ("arch", "seq_len", "cache_len", "batch", "input_shapes", "passes", "skip_passes", "plugins",
@@ -43,7 +44,7 @@ class GraphVariant:
     name: str
     graph: gs.Graph
     partitions: list[dict] = field(default_factory=list)
-    split: Any = None  # mtkc.stitch.Split: placements and the partition graphs to write
+    split: Any = None  # mtkc.backend.stitch.Split: placements and the partition graphs to write
     compiled: Any = None  # Compiled: the pipeline run that produced `graph`
 
 
@@ -81,14 +82,14 @@ def normalise(options: dict[str, Any] | None) -> dict[str, Any]:
 
 def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.PathLike, options: dict[str, Any] | None = None, table=None) -> CompileResult:
     """Compile `model_path` for `sdk` into `out_dir` (see the module docstring)."""
-    from mtkc.generate import host_tables
+    from mtkc.runtime.generate import host_tables
 
     options = normalise(options)
     out = Path(out_dir)
     model = load(model_path)
     _check_out(out, model, bool(options["overwrite"]))
     if table is None:
-        from mtkc.capability import load_table
+        from mtkc.target.capability import load_table
 
         table = load_table(sdk, options["arch"])
     raw = _raw_coverage(model.fresh(), table, options)
@@ -115,7 +116,7 @@ def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.Pat
         passes=[r.stats() for v in variants for r in v.compiled.records],
     )
     report = _report(model, variants, data["coverage"])
-    from mtkc.deliver import finish  # hand-off to the converter, overlays, report.md, manifest.json
+    from mtkc.backend.deliver import finish  # hand-off to the converter, overlays, report.md, manifest.json
 
     with staged(out, bool(options["overwrite"])) as stage:  # OUT: all of this, or the previous OUT
         _write(stage, variants, data, tables, model.root)
@@ -133,7 +134,7 @@ def compile_graph(model: Model, sdk: str, options: dict[str, Any], table=None, o
     """
     options = normalise(options)
     if table is None:
-        from mtkc.capability import load_table
+        from mtkc.target.capability import load_table
 
         table = load_table(sdk, options["arch"])
     ctx = Context(table, options, model.root, model.values)
@@ -163,9 +164,9 @@ def compiled_coverage(model: Model, table, options: dict[str, Any], watch: list[
 
 
 def assessment(graph: gs.Graph, ctx: Context):
-    """`mtkc.check.assess` of a graph (None when the table gives no verdicts, e.g. a stand-in)."""
-    from mtkc.capability import Table
-    from mtkc.check import assess
+    """`mtkc.pipeline.check.assess` of a graph (None when the table gives no verdicts, e.g. a stand-in)."""
+    from mtkc.pipeline.check import assess
+    from mtkc.target.capability import Table
 
     if not isinstance(ctx.table, Table):
         return None
@@ -174,8 +175,8 @@ def assessment(graph: gs.Graph, ctx: Context):
 
 def _raw_coverage(model: Model, table, options: dict[str, Any]) -> float | None:
     """Coverage of the input as `mtkc check` computes it (shapes bound, no pass run)."""
-    from mtkc.capability import Table
-    from mtkc.check import check_model
+    from mtkc.pipeline.check import check_model
+    from mtkc.target.capability import Table
 
     if not isinstance(table, Table):
         return None
@@ -207,7 +208,7 @@ def _wiring(variants: list[GraphVariant]) -> dict[str, dict[str, dict]]:
 
 def _partitions(variant: GraphVariant, ctx: Context) -> list[dict]:
     """Hook: NPU/CPU partitions of one graph, in execution order (manifest `partitions`)."""
-    from mtkc.stitch import split
+    from mtkc.backend.stitch import split
 
     o, graph = ctx.options, variant.graph
     variant.split = split(graph, variant.name, lambda n: ctx.table.verdict(n, graph.opset, ctx.read_values),
@@ -265,7 +266,7 @@ def _check_out(out: Path, model: Model, overwrite: bool) -> None:
 
 
 def _external_files(model: Model) -> list[Path]:
-    from mtkc.model import external_info
+    from mtkc.ir.model import external_info
 
     files = set()
     for t in model.graph.tensors().values():
@@ -279,7 +280,7 @@ def _external_files(model: Model) -> list[Path]:
 
 def _write(stage: Path, variants: list[GraphVariant], data: dict, tables: dict, root: Path) -> None:
     """Every graph, partition and host table into the staging folder (the text files: `deliver.finish`)."""
-    from mtkc.generate import write_host_tables
+    from mtkc.runtime.generate import write_host_tables
 
     with WeightWriter(stage, WEIGHTS_FILE) as writer:
         for variant in variants:

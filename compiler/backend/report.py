@@ -16,7 +16,7 @@ from collections import Counter
 
 import onnx_graphsurgeon as gs
 
-from mtkc.partition import CPU, NPU, Partition, Placement
+from mtkc.backend.partition import CPU, NPU, Partition, Placement
 
 NPU_COLOR = "#2e7d32"
 COLORS = {  # CPU reason -> background colour; anything else: CPU_COLOR

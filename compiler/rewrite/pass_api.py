@@ -17,7 +17,7 @@ condition, so `mtkc compile --explain PASS` can say why without reading code.
 The pass manager owns the graph's invariants: after `run` it removes dead nodes, sorts
 topologically, names unnamed/duplicate nodes `<pass>/<op or old name>`, re-infers shapes when
 a pass left new tensors untyped, and checks that no tensor dangles and every tensor is typed
-(static once shapes are bound). Name new nodes with `mtkc.graph_utils.Names` (or
+(static once shapes are bound). Name new nodes with `mtkc.ir.graph_utils.Names` (or
 `unique_name(graph, base)` for one) to keep names readable.
 
 A pass that changes the graph's I/O contract (a mask/RoPE/KV-cache normalisation replaces
@@ -38,7 +38,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.errors import PassError
-from mtkc.graph_utils import Names
+from mtkc.ir.graph_utils import Names
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
 
@@ -70,7 +70,7 @@ class Context:
     ({input name: dims}), `arch`, ... (None when not given).
     """
 
-    table: Any  # mtkc.capability.Table
+    table: Any  # mtkc.target.capability.Table
     options: dict[str, Any] = field(default_factory=dict)
     root: Path | None = None  # folder of the source model's external data
     read_values: Callable[[gs.Constant], Any] | None = None
@@ -122,7 +122,7 @@ def register(cls: type[Pass]) -> type[Pass]:
     """Class decorator adding a pass to the registry (name must be unique and kebab-case)."""
     where = f"{_origin} ({cls.__module__}.{cls.__qualname__})"
     if not (isinstance(cls, type) and issubclass(cls, Pass)):
-        raise PassError(f"{where}: @register needs a subclass of mtkc.pass_api.Pass")
+        raise PassError(f"{where}: @register needs a subclass of mtkc.rewrite.pass_api.Pass")
     if not isinstance(cls.name, str) or not NAME_RE.match(cls.name):
         raise PassError(f"{where}: pass name {cls.name!r} is not kebab-case")
     target = REGISTRY if _sink is None else _sink

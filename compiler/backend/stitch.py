@@ -15,9 +15,20 @@ from typing import Callable, Sequence
 
 import onnx_graphsurgeon as gs
 
+from mtkc.backend.manifest import tensor_spec
+from mtkc.backend.partition import (
+    CPU,
+    NPU,
+    Partition,
+    Placement,
+    name_nodes,
+    node_inputs,
+    parse_patterns,
+    partition,
+    place,
+    unmatched,
+)
 from mtkc.errors import PassError
-from mtkc.manifest import tensor_spec
-from mtkc.partition import CPU, NPU, Partition, Placement, name_nodes, node_inputs, parse_patterns, partition, place, unmatched
 
 log = logging.getLogger("mtkc")
 

@@ -18,8 +18,8 @@ from numbers import Integral
 import onnx_graphsurgeon as gs
 
 from mtkc.errors import MtkcError, PassError
-from mtkc.graph_utils import Names, cleanup, toposort
-from mtkc.toposort import cycle_node
+from mtkc.ir.graph_utils import Names, cleanup, toposort
+from mtkc.ir.toposort import cycle_node
 
 
 def restore(graph: gs.Graph, pass_name: str | None = None, error: type[MtkcError] = PassError) -> None:

@@ -9,7 +9,7 @@ import onnx
 import onnx_graphsurgeon as gs
 import onnxruntime as ort
 
-from mtkc.model import onnxruntime_view
+from mtkc.ir.model import onnxruntime_view
 
 EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 

@@ -206,9 +206,9 @@ def bisect(out: Path, job: Job, fails, max_runs: int) -> dict:
     A prefix of a topological order is convex, so each probe is a valid partition; weights stay
     in the shared file (the probe is written beside it, in OUT, and removed).
     """
-    from mtkc.model import load
-    from mtkc.partition import Partition
-    from mtkc.stitch import boundaries
+    from mtkc.backend.partition import Partition
+    from mtkc.backend.stitch import boundaries
+    from mtkc.ir.model import load
 
     graph = load(out / job.onnx).graph
     nodes = list(graph.nodes)

@@ -5,7 +5,7 @@
     report.md                     human-readable report
     report.json, manifest.json    with placement + converter facts
 
-`out` is compile's staging folder (`mtkc.staging`): everything here, the converter run included,
+`out` is compile's staging folder (`mtkc.backend.staging`): everything here, the converter run included,
 happens before OUT is swapped into place, so an error or Ctrl-C leaves the previous OUT intact.
 Paths in convert.sh, the logs and the JSON are relative to the folder, so they stay valid after
 the rename. A converter failure is returned, not raised: compile still puts the complete folder
@@ -20,10 +20,10 @@ from typing import Mapping
 
 import onnx_graphsurgeon as gs
 
-from mtkc import handoff, report
+from mtkc.backend import handoff, report
+from mtkc.backend.manifest import dumps
+from mtkc.backend.stitch import Split
 from mtkc.errors import ConverterError
-from mtkc.manifest import dumps
-from mtkc.stitch import Split
 
 
 def finish(

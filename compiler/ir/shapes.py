@@ -24,7 +24,7 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx
 from onnx_graphsurgeon.importers.onnx_importer import get_onnx_tensor_dtype, get_onnx_tensor_shape
 
-from mtkc import graph_utils as gu
+from mtkc.ir import graph_utils as gu
 
 INLINE_BYTES = gu.SMALL_BYTES
 log = logging.getLogger(__name__)

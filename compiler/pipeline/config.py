@@ -17,9 +17,10 @@ value (lists are replaced, not merged). Plugin files are relative to the config 
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from mtkc.errors import InputError
 

@@ -13,7 +13,7 @@ inline (a small external constant of the source model is read and inlined).
 Dedup: a lazy constant still backed by the source model's external data is identified by its
 source (file identity, offset, length) and copied once, streamed in chunks; an inline source
 constant first by its TensorProto (the same object in every graph imported from one parsed file,
-`mtkc.model.Model.fresh`), then, like an in-memory constant (folded, rewritten), by its bytes:
+`mtkc.ir.model.Model.fresh`), then, like an in-memory constant (folded, rewritten), by its bytes:
 length and a sample of head and tail pick the candidates, and only then are whole bytes hashed
 (SHA-256; the stored side is read back from the weights file), so unique weights are never hashed.
 Output is deterministic: same graphs in the same order -> byte-identical files.
@@ -22,7 +22,7 @@ Safety: the weights file is written to a temporary name in `out_dir` and moved i
 `close()`; on an error inside `with WeightWriter(...)` it and every graph file written are removed; a target that is a symlink, or that is one of the source files
 being read, is refused (writing it would corrupt the input model). Graph files are written
 to a temporary name and renamed. All graph files must live directly in `out_dir`, so the
-location is a bare file name that onnxruntime, onnx and `mtkc.model.load` resolve alike.
+location is a bare file name that onnxruntime, onnx and `mtkc.ir.model.load` resolve alike.
 `save(graph, root, path)` is the one-graph form: weights go to `<path.name>.data`
 (`model.onnx` -> `model.onnx.data`, the torch exporter's convention).
 """
@@ -39,8 +39,15 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
 
 from mtkc.errors import InputError
-from mtkc.model import constants, external_info
-from mtkc.model_checks import SUB_BYTE_BITS, ExternalDataError, external_fields, external_size, open_external, resolve_location
+from mtkc.ir.model import constants, external_info
+from mtkc.ir.model_checks import (
+    SUB_BYTE_BITS,
+    ExternalDataError,
+    external_fields,
+    external_size,
+    open_external,
+    resolve_location,
+)
 
 CHUNK = 16 << 20
 SAMPLE = 4096  # bytes of head and of tail that pick dedup candidates before any full hash

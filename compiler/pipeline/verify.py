@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 
 from mtkc.errors import InputError, MismatchError
-from mtkc.execute import session
+from mtkc.ir.execute import session
 
 DYNAMIC_SEQ = 8  # tokens per sample when the compiled graph leaves the sequence length open
 MASK_MIN = -1.0e4  # any large finite negative value: softmax weight exp(-1e4) == 0 in fp32/fp16

@@ -33,7 +33,6 @@ import importlib.resources
 import logging
 import pkgutil
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -41,6 +40,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
+import tomllib
 
 from mtkc.errors import InputError
 
@@ -529,7 +529,7 @@ def remedy_text(passes: tuple[str, ...], first_sdk: str | None, hint: str | None
 def _registered_passes() -> frozenset[str]:
     """Names in the pass registry after importing the built-in pass modules (stand-in for the
     pass manager's loader: a module that fails to import is skipped, it is not our error)."""
-    from mtkc import pass_api
+    from mtkc.rewrite import pass_api
 
     try:
         package = importlib.import_module("mtkc.passes")

@@ -17,12 +17,13 @@ from typing import Callable
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from mtkc import capability, shapes
-from mtkc.capability import Table, Verdict
 from mtkc.errors import InputError
-from mtkc.graph_utils import toposort
-from mtkc.model import Model
-from mtkc.pass_api import Context
+from mtkc.ir import shapes
+from mtkc.ir.graph_utils import toposort
+from mtkc.ir.model import Model
+from mtkc.rewrite.pass_api import Context
+from mtkc.target import capability
+from mtkc.target.capability import Table, Verdict
 
 log = logging.getLogger("mtkc")
 
@@ -111,13 +112,13 @@ def check(model_path, sdk: str, arch: str | None = None, seq_len: int | None = N
           pipeline: dict | None = None) -> CheckReport:
     """Judge every node of the model at `model_path` for NeuroPilot `sdk`.
 
-    `compiled`: also run the pass pipeline in memory (`mtkc.compile.compiled_coverage`)
+    `compiled`: also run the pass pipeline in memory (`mtkc.pipeline.compile.compiled_coverage`)
     for the coverage after passes and, per unsupported node, the pass that rewrites it.
     `pipeline`: compile's pipeline options (`passes`, `skip_passes`, `plugins`, pass options);
     plugins and pass names are checked before the model is read (PassError/InputError).
     """
-    from mtkc.model import load
-    from mtkc.pass_manager import load_registry
+    from mtkc.ir.model import load
+    from mtkc.manager.pass_manager import load_registry
 
     table = capability.load_table(sdk, arch)  # unknown SDK fails before the model is read
     pipeline = dict(pipeline or {})
@@ -139,8 +140,8 @@ def check_model(model: Model, table: Table, options: dict, compiled: bool = True
     report = CheckReport(sdk=table.version, arch=table.arch, model=str(model.path),
                          assessment=assessment, unbound=unbound)
     if compiled:
-        from mtkc.compile import compiled_coverage
         from mtkc.errors import MtkcError
+        from mtkc.pipeline.compile import compiled_coverage
 
         try:
             watch = [n for g in assessment.groups for n in g.nodes]

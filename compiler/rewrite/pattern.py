@@ -27,7 +27,7 @@ from typing import Any, Callable
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from mtkc.graph_utils import Names
+from mtkc.ir.graph_utils import Names
 
 COMMUTATIVE = {"Add", "Mul", "Max", "Min", "And", "Or", "Equal", "Sum"}
 MAX_CHECK_ELEMENTS = 1 << 16  # constant checks never read a weight larger than this

@@ -3,7 +3,7 @@ with the input model on the same seeded inputs; the first pass that changes the 
 
 Tolerances are onnxruntime's fp32 provider checks (atol 1e-5, rtol 1e-4); integer and bool
 outputs must match exactly. A pass that replaces graph inputs or outputs maps feeds and expected
-outputs through `Pass.map_feeds` / `Pass.map_outputs` (see `mtkc.pass_api`).
+outputs through `Pass.map_feeds` / `Pass.map_outputs` (see `mtkc.rewrite.pass_api`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.errors import InputError, MismatchError, PassError
-from mtkc.pass_api import Context, Pass
-from mtkc.pass_manager import one_line, builtin_passes, guarded
+from mtkc.manager.pass_manager import builtin_passes, guarded, one_line
+from mtkc.rewrite.pass_api import Context, Pass
 
 ATOL, RTOL = 1e-5, 1e-4
 
@@ -28,7 +28,7 @@ class EachVerifier:
     """
 
     def __init__(self, graph: gs.Graph, ctx: Context, seed: int = 0, atol: float = ATOL, rtol: float = RTOL):
-        from mtkc import execute
+        from mtkc.ir import execute
 
         self.ctx, self.atol, self.rtol = ctx, atol, rtol
         self.pending: list[Pass] = []
@@ -44,7 +44,7 @@ class EachVerifier:
             ) from None
 
     def after(self, p: Pass, graph: gs.Graph, changed: bool) -> None:
-        from mtkc import execute
+        from mtkc.ir import execute
 
         self.pending.append(p)
         if not changed:
@@ -92,7 +92,7 @@ def _positions_follow_cache(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarra
 
 def compare(actual: np.ndarray, expected: np.ndarray, atol: float, rtol: float) -> str:
     """'' when equal within tolerance (exact for non-float), else what differs."""
-    from mtkc.verify import compare as errors
+    from mtkc.pipeline.verify import compare as errors
 
     actual, expected = np.asarray(actual), np.asarray(expected)
     if actual.shape != expected.shape:

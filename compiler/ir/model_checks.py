@@ -48,7 +48,7 @@ from pathlib import Path
 import onnx
 
 from mtkc.errors import InputError
-from mtkc.toposort import cycle_node
+from mtkc.ir.toposort import cycle_node
 
 log = logging.getLogger("mtkc")
 

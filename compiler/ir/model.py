@@ -2,8 +2,8 @@
 
 Weights are never read at load: graphsurgeon keeps every initializer (and every tensor
 attribute, e.g. of `Constant` nodes) as `LazyValues` over the original TensorProto. Every
-external-data reference is validated at load, before any pass runs (`mtkc.model_checks`), so a
-hostile model cannot make mtkc open a file outside its folder. Saving lives in `mtkc.weights`.
+external-data reference is validated at load, before any pass runs (`mtkc.ir.model_checks`), so a
+hostile model cannot make mtkc open a file outside its folder. Saving lives in `mtkc.ir.weights`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import onnx.numpy_helper
 import onnx_graphsurgeon as gs
 
 from mtkc.errors import InputError
-from mtkc.model_checks import (
+from mtkc.ir.model_checks import (
     ExternalDataError,
     allowed_trees,
     external_fields,

@@ -1,0 +1,1 @@
+"""After the passes: partitioning, writing partitions and the manifest, the converter hand-off, reports."""

@@ -1,0 +1,1 @@
+"""The pass manager: pipelines, plugins, invariants after every pass, verify-each."""

@@ -1,0 +1,1 @@
+"""What the commands do: check, compile, verify, and the options they take."""

@@ -1,0 +1,1 @@
+"""What a pass is: the Pass API, the registry, the pattern language passes match and emit with."""

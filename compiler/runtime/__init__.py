@@ -1,0 +1,1 @@
+"""Running compiled output: the prefill/decode generator and its host tables."""

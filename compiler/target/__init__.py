@@ -1,0 +1,1 @@
+"""What an SDK can run: capability tables and node verdicts."""
