@@ -72,7 +72,7 @@ class Attention(Pass):
 
     def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
         result = PassResult()
-        masked = float(ctx.options.get("mask_value") or MASKED)
+        masked = float(ctx.options.mask_value or MASKED)
         for node in [n for n in graph.nodes if _fused_kind(n)]:
             why = _decompose(graph, node, masked)
             if why:

@@ -27,6 +27,7 @@ import operator
 
 from mtkc.errors import InputError
 from mtkc.ir import shapes
+from mtkc.options import Options
 from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 
 SYMBOL_ROLES = {
@@ -57,9 +58,9 @@ def has_past(graph) -> bool:
     return any(("past" in t.name.lower() or "cache" in t.name.lower()) and len(t.shape or ()) == 4 for t in graph.inputs)
 
 
-def role_values(options: dict, past: bool) -> dict[str, int | None]:
-    seq, cache, batch = options.get("seq_len"), options.get("cache_len"), options.get("batch")
-    anything = any(options.get(k) for k in ("seq_len", "cache_len", "batch", "input_shapes"))
+def role_values(options: Options, past: bool) -> dict[str, int | None]:
+    seq, cache, batch = options.seq_len, options.cache_len, options.batch
+    anything = bool(options.seq_len or options.cache_len or options.batch or options.input_shapes)
     if batch is None and anything:
         batch = 1
     if not past:
@@ -74,16 +75,17 @@ class BindShapes(Pass):
     description = "symbolic input dims -> static (--seq-len/--cache-len/--batch/--input-shape), then infer shapes"
 
     def applies(self, ctx: Context) -> bool:
-        return any(ctx.options.get(k) for k in ("seq_len", "cache_len", "batch", "input_shapes"))
+        o = ctx.options
+        return bool(o.seq_len or o.cache_len or o.batch or o.input_shapes)
 
     def run(self, graph, ctx: Context) -> PassResult:
         result = PassResult()
-        explicit = dict(ctx.options.get("input_shapes") or {})
+        explicit = dict(ctx.options.input_shapes or {})
         unknown = sorted(set(explicit) - {t.name for t in graph.inputs})
         if unknown:
             raise InputError(f"--input-shape: the model has no input '{unknown[0]}'")
         past = has_past(graph)
-        if ctx.options.get("cache_len") and not past:
+        if ctx.options.cache_len and not past:
             result.notes.append("--cache-len ignored: the model has no past/cache inputs")
         values = role_values(ctx.options, past)
         symbols: dict[str, int] = {}

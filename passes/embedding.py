@@ -73,7 +73,7 @@ class Embedding(Pass):
 
     def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
         result = PassResult()
-        mode = ctx.options.get("embedding") or "host-input"
+        mode = ctx.options.embedding or "host-input"
         sites = find(graph)
         if mode not in MODES:
             result.misses = [Miss(n.name, f"unknown embedding option '{mode}' ({' | '.join(MODES)})") for n, _, _ in sites]

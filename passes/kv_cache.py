@@ -50,6 +50,7 @@ import onnx_graphsurgeon as gs
 
 from mtkc.errors import InputError
 from mtkc.ir import shapes
+from mtkc.options import Options
 from mtkc.rewrite.pass_api import Context, NodeNames, Pass, PassResult, register
 from mtkc.rewrite.pattern import values_of
 
@@ -76,17 +77,17 @@ class Variant:
     options: dict = field(default_factory=dict)
 
 
-def variants(graph: gs.Graph, options: dict) -> list[Variant]:
+def variants(graph: gs.Graph, options: Options) -> list[Variant]:
     """The graphs to produce: `model`, or prefill/decode (per chunk) for a KV-cache decoder."""
-    kv = options.get("kv_cache")
+    kv = options.kv_cache
     if kv is None:
         kv = bool(past_inputs(graph))
     if not kv:
         return [Variant("model", {})]
-    seq_len = options.get("seq_len") or DEFAULT_SEQ_LEN
-    cache_len = options.get("cache_len") or DEFAULT_CACHE_LEN
-    cache_io = options.get("cache_io") or "new"
-    chunks = options.get("chunks") or 1
+    seq_len = options.seq_len or DEFAULT_SEQ_LEN
+    cache_len = options.cache_len or DEFAULT_CACHE_LEN
+    cache_io = options.cache_io or "new"
+    chunks = options.chunks or 1
     if cache_io not in CACHE_IO:
         raise InputError(f"--cache-io {cache_io}: expected one of {', '.join(CACHE_IO)}")
     if chunks < 1 or seq_len < 1 or cache_len < 1:
@@ -94,7 +95,7 @@ def variants(graph: gs.Graph, options: dict) -> list[Variant]:
     layers = len({i for i, _ in past_inputs(graph)}) or sum(1 for n in graph.nodes if n.op == "Softmax")
     if layers and layers % chunks:
         raise InputError(f"--chunks {chunks} does not divide the model's {layers} decoder layers evenly")
-    max_pos = options.get("max_positions") or seq_len + cache_len  # one RoPE table for both graphs
+    max_pos = options.max_positions or seq_len + cache_len  # one RoPE table for both graphs
     out = []
     for variant, t in (("prefill", seq_len), ("decode", 1)):
         for k in range(chunks):
@@ -144,13 +145,13 @@ def _dim(value, what: str) -> int:
 
 
 def _opts(ctx: Context) -> tuple[int, int, str]:
-    t = ctx.options.get("seq_len") or DEFAULT_SEQ_LEN
-    c = ctx.options.get("cache_len") or DEFAULT_CACHE_LEN
-    return t, c, ctx.options.get("cache_io") or "new"
+    t = ctx.options.seq_len or DEFAULT_SEQ_LEN
+    c = ctx.options.cache_len or DEFAULT_CACHE_LEN
+    return t, c, ctx.options.cache_io or "new"
 
 
 def _kv_on(ctx: Context) -> bool:
-    return bool(ctx.options.get("kv_cache"))
+    return bool(ctx.options.kv_cache)
 
 
 # ---------------------------------------------------------------------------- kv-cache
@@ -187,9 +188,9 @@ class KvCache(Pass):
         if not self.inserted:
             return feeds
         ids = next(v for k, v in feeds.items() if k in ("input_ids", "hidden_states"))
-        t, c = ids.shape[1], ctx.options.get("cache_len") or DEFAULT_CACHE_LEN
+        t, c = ids.shape[1], ctx.options.cache_len or DEFAULT_CACHE_LEN
         keep = np.asarray(feeds.pop(self.old_mask))[0].astype(bool) if self.old_mask in feeds else np.ones(t, bool)
-        mask = np.full((t, c + t), float(ctx.options.get("mask_value") or -100.0), np.float32)
+        mask = np.full((t, c + t), float(ctx.options.mask_value or -100.0), np.float32)
         mask[:, c:][np.tril(np.ones((t, t), bool)) & keep[None, :]] = 0.0
         feeds["attention_mask"] = mask[None, None]
         feeds["position_ids"] = np.arange(t, dtype=np.int64)[None]
@@ -572,10 +573,10 @@ class LayerChunks(Pass):
     idempotent = False
 
     def applies(self, ctx: Context) -> bool:
-        return _kv_on(ctx) and (ctx.options.get("chunks") or 1) > 1
+        return _kv_on(ctx) and (ctx.options.chunks or 1) > 1
 
     def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
-        n, k = ctx.options.get("chunks") or 1, ctx.options.get("chunk") or 0
+        n, k = ctx.options.chunks or 1, ctx.options.chunk or 0
         layers = layer_caches(graph)
         if not layers or len(layers) % n:
             raise InputError(f"--chunks {n} does not divide the model's {len(layers)} decoder layers evenly")
@@ -595,7 +596,7 @@ class LayerChunks(Pass):
             outputs.insert(0, next(o for o in graph.outputs if o.name == "logits"))
         self.kept = {o.name for o in outputs}
         self.prefix = None
-        if first > 0 and ctx.options.get("verify_each"):  # map_feeds computes hidden_states with it
+        if first > 0 and ctx.options.verify_each:  # map_feeds computes hidden_states with it
             self.prefix = graph.copy()
             self.prefix.outputs = [self.prefix.tensors()[bounds[first].name]]
             self.prefix.cleanup(remove_unused_graph_inputs=True)
@@ -632,7 +633,7 @@ def _hidden_shape(tensor: gs.Tensor, ctx: Context):
     shape = tensor.shape
     if shape is None or len(shape) != 3:
         return shape
-    return [1, ctx.options.get("seq_len") or shape[1], shape[2]]
+    return [1, ctx.options.seq_len or shape[1], shape[2]]
 
 
 _IO_ORDER = ("input_ids", "hidden_states", "attention_mask", "position_ids", "pos_emb", "logits", "hidden_states_out")

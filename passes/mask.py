@@ -87,7 +87,7 @@ class Mask(Pass):
             return result
         for reader in readers:  # no cache: the mask is [batch, seq], like input_ids
             reader.inputs[0] = shapes
-        self.value = float(ctx.options.get("mask_value") or DEFAULT_VALUE)
+        self.value = float(ctx.options.mask_value or DEFAULT_VALUE)
         self.replaced = old.name
         new = self._input(graph, ctx, old)
         for site, index in sites:
@@ -103,10 +103,10 @@ class Mask(Pass):
         return result
 
     def _input(self, graph: gs.Graph, ctx: Context, old: gs.Variable) -> gs.Variable:
-        seq = ctx.options.get("seq_len") or _seq_dim(graph)
+        seq = ctx.options.seq_len or _seq_dim(graph)
         # --cache-len is moot for a model without a cache, unless kv-cache is about to insert one
-        cached = _has_cache(graph) or ctx.options.get("kv_cache")
-        cache = ctx.options.get("cache_len") if cached else None
+        cached = _has_cache(graph) or ctx.options.kv_cache
+        cache = ctx.options.cache_len if cached else None
         if cache is not None:
             total = int(seq) + int(cache) if isinstance(seq, int) or str(seq).isdigit() else f"{cache}+{seq}"
         else:
@@ -124,7 +124,7 @@ class Mask(Pass):
         feeds = dict(feeds)
         keep = np.asarray(feeds.pop(self.replaced))[0].astype(bool)
         total = keep.shape[0]
-        seq = int(ctx.options.get("seq_len") or _feed_seq(feeds) or total)
+        seq = int(ctx.options.seq_len or _feed_seq(feeds) or total)
         past = total - seq
         visible = (np.arange(total)[None, :] <= past + np.arange(seq)[:, None]) & keep[None, :]
         feeds[NAME] = np.where(visible, 0.0, self.value).astype(np.float32)[None, None]

@@ -123,7 +123,7 @@ class Rope(Pass):
             result.rewrites += 1
         result.notes.append(f"{len(sites)} rotate-half sites")
         result.rewrites += self._hoist(graph, ctx, result)
-        if (ctx.options.get("rope_mode") or "table") == "pos_emb":
+        if (ctx.options.rope_mode or "table") == "pos_emb":
             result.rewrites += self._folded_to_pos_emb(graph, ctx, sites, result)
         if result.rewrites:
             graph.cleanup().toposort()
@@ -141,7 +141,7 @@ class Rope(Pass):
                 result.misses.append(Miss(node.name, source))
                 continue
             groups.setdefault(id(source), (source, []))[1].append((node, _hoisted(node)))
-        mode = ctx.options.get("rope_mode") or "table"
+        mode = ctx.options.rope_mode or "table"
         if mode not in ("table", "pos_emb"):
             result.misses += [Miss(n.name, f"unknown rope_mode '{mode}' (table | pos_emb)") for n in trig]
             return 0
@@ -174,7 +174,7 @@ class Rope(Pass):
         full = table if _full_width(table) else np.concatenate([table, table], axis=-1)
         if source in graph.inputs:
             self.position_input = source.name
-        seq = ctx.options.get("seq_len") or (source.shape[-1] if source.shape else "sequence_length")
+        seq = ctx.options.seq_len or (source.shape[-1] if source.shape else "sequence_length")
         return self._slice(graph, node.name, kind, full, table.shape[1], seq, target.shape)
 
     def _slice(self, graph, prefix, kind, full, width, seq, shape):
@@ -228,7 +228,7 @@ class Rope(Pass):
         if self.position_input and self.position_input in feeds:
             pos = np.asarray(feeds.pop(self.position_input)).reshape(-1)
         else:
-            pos = np.arange(int(ctx.options.get("seq_len") or _seq_from(feeds)))
+            pos = np.arange(int(ctx.options.seq_len or _seq_from(feeds)))
         feeds[POS_EMB] = np.stack([self.tables["cos"][pos], self.tables["sin"][pos]])[None].astype(np.float32)
         return feeds
 
@@ -297,10 +297,10 @@ def _hoisted(node: gs.Node) -> gs.Tensor:
 
 def _max_positions(ctx: Context, source: gs.Tensor) -> int | str:
     opts = ctx.options
-    if opts.get("max_positions"):
-        return int(opts["max_positions"])
-    if opts.get("seq_len"):
-        return int(opts["seq_len"]) + int(opts.get("cache_len") or 0)
+    if opts.max_positions:
+        return int(opts.max_positions)
+    if opts.seq_len:
+        return int(opts.seq_len) + int(opts.cache_len or 0)
     return "table size unknown: give --seq-len (and --cache-len) or the max_positions option"
 
 

@@ -82,7 +82,7 @@ class SwiGLU(Pass):
             replace_uses(graph, out, y)
             m["out"].outputs.clear()
             result.rewrites += 1
-        if ctx.options.get("merge_gate_up"):
+        if ctx.options.merge_gate_up:
             for m in find(graph, ctx)[0]:
                 if _packed(m):
                     continue

@@ -40,7 +40,8 @@ def test_check_reports_per_op_reasons(capsys, exported, family, exporter):
     code, out, _ = mtkc(capsys, "check", model, "--sdk", "9.0", "--format", "json", "--seq-len", "8")
     assert code == 0
     report = json.loads(out)
-    assert list(report) == ["schema_version", "sdk", "arch", "model", "nodes", "coverage", "partitions",
+    assert list(report) == ["schema_version", "sdk", "arch", "model", "verdict", "strict", "partitions",
+                            "largest_partition", "graphs", "unbound", "bound", "picked", "nodes", "coverage",
                             "unsupported"]
     assert (report["sdk"], report["arch"]) == ("9.0", "mdla6.1")
     assert 0 < report["coverage"]["raw"] < report["coverage"]["compiled"] <= 1 and report["partitions"] >= 1
@@ -49,12 +50,18 @@ def test_check_reports_per_op_reasons(capsys, exported, family, exporter):
     # on every SDK: RoPE tables, shape maths, int64 index maths, the embedding lookup, bool masks
     for op in ("Sin", "Cos", "Range"):
         assert (op, "op-unsupported") in found, op
-    assert found[("Sin", "op-unsupported")]["remedy"].startswith("pass rope")
+    sin = found[("Sin", "op-unsupported")]  # the remedy names the pass that removed it in compile's pipeline
+    assert {sin["remedy"]} == {f"pass {p} (compile runs it)" for p in sin["rewritten_by"].values()}
     assert ("Gather", "host-op") in found
     int64 = [g for g in report["unsupported"] if g["reason"] == "dtype-unsupported" and "int64" in g["detail"]]
-    assert int64 and all("int64-to-int32" in g["remedy"] for g in int64)
     boolean = [g for g in report["unsupported"] if g["reason"] == "dtype-unsupported" and "bool" in g["detail"]]
-    assert boolean and all("pass mask" in g["remedy"] for g in boolean)
+    assert int64 and boolean
+    for g in report["unsupported"]:  # the pass that removed every node of the group in compile, else the table's
+        fixers = set(g["rewritten_by"].values())
+        if len(fixers) == 1 and len(g["rewritten_by"]) == g["count"]:
+            assert g["remedy"] == f"pass {fixers.pop()} (compile runs it)"
+        else:
+            assert "(compile runs it)" not in g["remedy"]
     assert not [g for g in report["unsupported"] if g["reason"] == "shape-dynamic"]  # seq bound, batch 1
     assert "MatMul" not in {g["op"] for g in report["unsupported"]}  # incl. QK^T, PV (BATCH_MATMUL)
     for g in report["unsupported"]:
@@ -100,7 +107,9 @@ def test_strict_output_file_and_determinism(capsys, exported, tmp_path, monkeypa
     code, first, _ = mtkc(capsys, "check", model, "--sdk", "8.0", "--format", "json")
     assert code == 0 and list(tmp_path.iterdir()) == []  # writes nothing without -o
     assert mtkc(capsys, "check", model, "--sdk", "8.0", "--format", "json")[1] == first
-    assert mtkc(capsys, "check", model, "--sdk", "8.0", "--strict")[0] == 1
+    assert mtkc(capsys, "check", model, "--sdk", "8.0", "--strict")[0] == 0  # compile leaves nothing on the CPU
+    assert json.loads(first)["strict"] == "pass" and json.loads(first)["bound"] == {"seq_len": 128, "batch": 1}
+    assert mtkc(capsys, "check", model, "--sdk", "8.0", "--strict", "--passes", "bind-shapes")[0] == 1
     code, out, err = mtkc(capsys, "check", model, "--sdk", "8.0", "--format", "json", "-o", "r.json")
     assert (code, out) == (0, "") and "wrote r.json" in err
     assert (tmp_path / "r.json").read_text() == first

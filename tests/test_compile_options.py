@@ -22,5 +22,5 @@ def test_mask_value_must_be_finite_and_negative(exported, run_cli, tmp_path):
     model = exported("qwen2", "legacy17", cache=True)
     code, _, err = run_cli("compile", str(model), "--sdk", "8.0", "-o", str(tmp_path / "o"), "--mask-value=5")
     assert code == 2
-    assert err.strip() == "mtkc: error: --mask-value 5: expected a finite negative number (e.g. -100)"
+    assert err.strip() == "mtkc: error: --mask-value: expected a finite negative number (e.g. -100), got 5.0"
     assert not (tmp_path / "o").exists()

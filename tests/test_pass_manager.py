@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,8 @@ from mtkc.ir import execute
 from mtkc.ir.model import load
 from mtkc.manager.pass_manager import Pipeline, builtin_passes, load_registry, resolve_pipeline, run_pipeline
 from mtkc.passes.pipelines import default_pipeline
-from mtkc.pipeline.config import load_config, merge
+from mtkc.options import Layer, build
+from mtkc.pipeline.config import load_config
 from mtkc.rewrite.pass_api import Context, Pass, PassResult
 from mtkc.target.capability import load_table
 
@@ -151,31 +153,49 @@ def test_exact_pass_list_keeps_order(table):
 
 def test_config_files_and_cli_override(tmp_path):
     (tmp_path / "pyproject.toml").write_text('[tool.mtkc]\nsdk = "7.0"\nskip_passes = ["rope"]\n')
-    assert load_config(cwd=tmp_path) == {"sdk": "7.0", "skip_passes": ["rope"]}
+    assert dict(load_config(cwd=tmp_path).values) == {"sdk": "7.0", "skip_passes": ["rope"]}
     (tmp_path / "mtkc.toml").write_text(
         'sdk = "8.0"\nseq_len = 16\nplugins = ["mine.py"]\n[input_shapes]\ninput_ids = [1, 16]\n'
+        '[pass_options.mine]\nlevel = 2\n'
     )
     (tmp_path / "mine.py").write_text("")
     config = load_config(cwd=tmp_path)  # mtkc.toml wins over pyproject.toml
-    assert config == {"sdk": "8.0", "seq_len": 16, "plugins": [str(tmp_path / "mine.py")],
-                      "input_shapes": {"input_ids": (1, 16)}}
-    merged = merge(config, {"sdk": None, "seq_len": 32, "plugins": [], "skip_passes": ["fold"]})
-    assert (merged["sdk"], merged["seq_len"], merged["plugins"], merged["skip_passes"]) == (
-        "8.0", 32, [str(tmp_path / "mine.py")], ["fold"])
+    options = build([config])
+    assert (options.sdk, options.seq_len, options.plugins, dict(options.input_shapes)) == (
+        "8.0", 16, (str(tmp_path / "mine.py"),), {"input_ids": (1, 16)})
+    assert dict(options.for_pass("mine")) == {"level": 2} and dict(options.for_pass("other")) == {}
+    merged = build([config, Layer({"sdk": None, "seq_len": 32, "plugins": None, "skip_passes": ["fold"]}, "cli")])
+    assert (merged.sdk, merged.seq_len, merged.plugins, merged.skip_passes) == (
+        "8.0", 32, (str(tmp_path / "mine.py"),), ("fold",))
 
 
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("sdk = '8.0'\npass = ['fold']\n", "unknown key 'pass'; known keys: sdk, arch, passes"),
-        ("seq_len = 'long'\n", "'seq_len' must be a positive integer, got 'long'"),
+        ("sdk = '8.0'\npass = ['fold']\n", "mtkc.toml: unknown key 'pass'; known keys: sdk, arch, seq_len"),
+        ("seq_len = 'long'\n", "mtkc.toml:seq_len: expected an integer in 1..131072, got 'long'"),
+        ("seq_len = 0\n", "mtkc.toml:seq_len: expected an integer in 1..131072, got 0"),
+        ("force_cpu = 5\n", "mtkc.toml:force_cpu: expected a list of names, got 5"),
+        ("[input_shapes]\ninput_ids = [1, true]\n", "mtkc.toml:input_shapes: expected a table of input name"),
+        ("rope_mode = 'banana'\n", "mtkc.toml:rope_mode: expected one of table, pos_emb, got 'banana'"),
+        ("mask_value = 5.0\n", "mtkc.toml:mask_value: expected a finite negative number"),
+        ("mask_value = nan\n", "mtkc.toml:mask_value: expected a finite negative number"),
+        ("overwrite = true\n", "unknown key 'overwrite'"),
+        ("variant = 'decode'\n", "unknown key 'variant'"),
         ("sdk = \n", "not a readable TOML file"),
     ],
 )
 def test_bad_config_is_an_input_error(tmp_path, text, message):
     path = tmp_path / "mtkc.toml"
     path.write_text(text)
-    with pytest.raises(InputError, match=message):
+    with pytest.raises(InputError, match=re.escape(message)):
+        build([load_config(path)])
+
+
+def test_binary_config_is_an_input_error(tmp_path):
+    path = tmp_path / "mtkc.toml"
+    path.write_bytes(bytes(range(256)))
+    with pytest.raises(InputError, match="not a readable TOML file"):
         load_config(path)
 
 

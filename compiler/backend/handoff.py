@@ -32,7 +32,10 @@ from typing import Mapping
 import onnx
 import onnx_graphsurgeon as gs
 
+from mtkc.backend.partition import Partition
+from mtkc.backend.stitch import boundaries
 from mtkc.errors import ConverterError, InputError
+from mtkc.ir.model import load
 
 PLACEHOLDERS = ("input", "output", "arch", "sdk", "input_names", "input_shapes", "onnx", "tflite", "dla")
 SCRIPT = "convert.sh"
@@ -206,10 +209,6 @@ def bisect(out: Path, job: Job, fails, max_runs: int) -> dict:
     A prefix of a topological order is convex, so each probe is a valid partition; weights stay
     in the shared file (the probe is written beside it, in OUT, and removed).
     """
-    from mtkc.backend.partition import Partition
-    from mtkc.backend.stitch import boundaries
-    from mtkc.ir.model import load
-
     graph = load(out / job.onnx).graph
     nodes = list(graph.nodes)
     lo, hi, runs = 1, len(nodes), 0

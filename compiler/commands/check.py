@@ -11,41 +11,35 @@ from pathlib import Path
 
 from mtkc.commands import options
 from mtkc.pipeline.check import CheckReport, check
-from mtkc.target.capability import remedy_text
 
 EXAMPLES = 3  # example node names per row in the text table
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("check", help="NPU coverage of a model for one SDK (writes nothing)",
+    p = sub.add_parser("check", help="what compile will do for one SDK, and the NPU verdict of every node (writes nothing)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="model.onnx (external data next to it)")
     options.add_target(p)
     options.add_shapes(p)
     options.add_pipeline(p)
+    options.add_llm(p)
     p.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
-    p.add_argument("--strict", action="store_true", help="exit 1 when any node is not NPU-supported")
+    p.add_argument("--strict", action="store_true", help="exit 1 when compile would leave any node on the CPU")
     p.add_argument("-o", "--output", metavar="FILE", help="write the report to FILE instead of stdout")
     options.add_common(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from mtkc.pipeline.config import KEYS, from_args
-
-    opts = from_args(args)  # config (--config or ./mtkc.toml) overridden by the CLI, as in compile
-    pipeline = {k: v for k, v in opts.items() if k in ("passes", "skip_passes", "plugins") or k not in KEYS}
-    report = check(args.model, opts["sdk"], arch=opts["arch"], seq_len=opts["seq_len"], cache_len=opts["cache_len"],
-                   batch=opts["batch"], input_shapes=opts["input_shapes"], pipeline=pipeline)
+    opts = options.from_args(args)  # config (--config or ./mtkc.toml) overridden by the CLI, as in compile
+    report = check(args.model, opts.sdk, opts)
     text = json.dumps(report.to_json(), indent=2) + "\n" if args.format == "json" else render(report)
     if args.output:
         _write_atomic(Path(args.output), text)
         print(f"mtkc: wrote {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(text)
-    if args.strict and report.assessment.supported < report.assessment.nodes:
-        return 1
-    return 0
+    return 1 if args.strict and report.cpu_fallback else 0
 
 
 def render(report: CheckReport) -> str:
@@ -54,25 +48,34 @@ def render(report: CheckReport) -> str:
     lines = [
         f"model       {report.model}",
         f"target      NeuroPilot {report.sdk} / {report.arch}",
+        f"verdict     {report.verdict} after compile's pipeline (GOOD: largest NPU partition > 75% of nodes, "
+        "MAYBE: > 50%, else POOR)",
+        f"partitions  {report.partitions}; largest NPU partition {report.largest_partition} nodes; "
+        f"--strict {'fails (nodes on the CPU)' if report.cpu_fallback else 'passes'}",
+    ]
+    for g in report.graphs:
+        lines.append(f"  {g.name:<9} {g.nodes} nodes, {g.cpu_nodes} on CPU, {g.npu_partitions} NPU / "
+                     f"{g.partitions - g.npu_partitions} CPU partitions")
+    if report.bound:
+        lines.append("compile     binds " + ", ".join(f"{k}={v}" for k, v in report.bound.items())
+                     + " (MediaTek's LLM defaults for dims left open)")
+    for key, why in report.picked.items():
+        lines.append(f"compile     picks {key}={why}")
+    lines += [
         f"nodes       {a.nodes} ({a.constants} Constant nodes not counted)",
         f"NPU         {a.supported} nodes; coverage {a.coverage:.1%} raw, {compiled} after passes",
-        f"partitions  {a.partitions} (estimate: runs of NPU nodes in topological order; "
-        f"largest {max(a.partition_sizes, default=0)})",
-        f"verdict     {report.verdict} (GOOD: largest partition > 75% of nodes, MAYBE: > 50%, else POOR)",
     ]
     if report.unbound:
         lines.append(f"unbound     {', '.join(report.unbound)} (bind with --seq-len/--cache-len/--batch/--input-shape)")
     if a.groups:
-        rows = [("op", "domain", "count", "reason", "remedy", "example nodes")]
+        rows = [("op", "domain", "count", "reason", "detail", "remedy", "example nodes")]
         for g in a.groups:
             examples = ", ".join(g.nodes[:EXAMPLES]) + (", ..." if g.count > EXAMPLES else "")
-            v = g.verdict  # the table shows passes/SDK; the hint is in --format json
-            remedy = remedy_text(v.passes, v.first_sdk) if v.passes or v.first_sdk else v.remedy
-            rows.append((g.op, g.domain, str(g.count), g.reason, remedy, examples))
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+            rows.append((g.op, g.domain, str(g.count), g.reason, g.verdict.detail or "", report.remedy(g), examples))
+        widths = [max(len(r[i]) for r in rows) for i in range(6)]
         lines.append("")
         for r in rows:
-            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[5])
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[6])
     return "\n".join(lines) + "\n"
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 
-from mtkc.commands.options import add_common, add_pipeline, add_shapes, add_target
-from mtkc.commands.partitioning import add_partitioning, partitioning_options
+from mtkc.commands.options import add_common, add_llm, add_pipeline, add_shapes, add_target, from_args
+from mtkc.commands.partitioning import add_partitioning
 from mtkc.errors import InputError
+from mtkc.manager.pass_manager import load_registry
+from mtkc.pipeline.compile import compile_model, default_output
 
 log = logging.getLogger("mtkc")
 
@@ -21,24 +22,12 @@ def add_parser(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("model", help="model.onnx (external data beside it)")
-    p.add_argument("-o", "--output", required=True, metavar="OUT", help="output folder (written atomically)")
+    p.add_argument("-o", "--output", metavar="OUT",
+                   help="output folder, written atomically (default: a new <model>.mtkc-<sdk> folder here)")
     add_target(p, required=False)
     add_shapes(p)
     add_pipeline(p)
-    kv = p.add_argument_group("KV cache (prefill/decode graphs)")
-    kv.add_argument("--kv-cache", action=argparse.BooleanOptionalAction, default=None,
-                    help="write prefill + decode graphs over a static cache (default: when the model has cache inputs)")
-    kv.add_argument("--cache-io", choices=["new", "sliding"], help="present_* outputs: new entries [1,Hkv,T,D] (default) or the slid cache")
-    kv.add_argument("--chunks", type=int, metavar="N", help="split the decoder layers into N graphs per variant")
-    llm = p.add_argument_group("LLM blocks")
-    llm.add_argument("--mask-value", type=float, metavar="V",
-                     help="masked value of the additive attention_mask input (default -100, as MediaTek's runtime)")
-    llm.add_argument("--rope-mode", choices=["table", "pos_emb"],
-                     help="RoPE cos/sin: a constant table gathered by position_ids (default), or a pos_emb [1,2,T,D] input")
-    llm.add_argument("--embedding", choices=["host-input", "cpu"],
-                     help="token embedding on the host: hidden_states input (default), or a CPU partition")
-    llm.add_argument("--merge-gate-up", action="store_true", default=None,
-                     help="merge the SwiGLU gate and up projections into one MatMul + Split")
+    add_llm(p)
     p.add_argument("--verify-each", action="store_true", default=None, help="run onnxruntime after every changing pass; name the first that changes the numbers")
     p.add_argument("--explain", metavar="PASS", help="print the sites PASS looked at and refused, with the reason")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
@@ -48,39 +37,28 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from mtkc.manager.pass_manager import load_registry
-    from mtkc.pipeline.compile import compile_model
-    from mtkc.pipeline.config import from_args
-
     options = from_args(args)
-    options.update(partitioning_options(args))
-    options.update(_llm_options(args))
-    sdk = options.pop("sdk")
-    if not sdk:
+    if not options.sdk:
         raise InputError("--sdk is required (or set sdk in mtkc.toml)")
-    options["overwrite"] = args.overwrite
     if args.explain:
-        load_registry(options["plugins"]).get(args.explain)  # unknown -> InputError, before any work
-    result = compile_model(args.model, sdk, args.output, options)
+        load_registry(options.plugins).get(args.explain)  # unknown -> InputError, before any work
+    out = args.output
+    if out is None:
+        out = default_output(args.model, options.sdk)
+        log.info("mtkc: output folder %s (choose one with -o)", out)
+    result = compile_model(args.model, options.sdk, out, options)
     if args.explain:
         print(explain(result, args.explain))
     graph = result.variants[0].graph
     log.info(
         "mtkc: wrote %s (%s, %d nodes; %d passes, %d rewrites)",
-        args.output, ", ".join(g["path"] for g in result.manifest["graphs"]), len(graph.nodes),
+        out, ", ".join(g["path"] for g in result.manifest["graphs"]), len(graph.nodes),
         len(result.records), sum(r.rewrites for r in result.records),
     )
+    converter = result.manifest.get("converter") or {}
+    if not converter.get("ran"):
+        log.warning("mtkc: no converter ran (%s)", converter.get("reason") or "see report.md")
     return 0
-
-
-def _llm_options(args) -> dict:
-    """Pass options given on the command line (they override `[pass_options]` of the config)."""
-    given = {key: getattr(args, key) for key in ("mask_value", "rope_mode", "embedding", "merge_gate_up")}
-    given = {key: value for key, value in given.items() if value is not None}
-    value = given.get("mask_value")
-    if value is not None and not (value < 0 and math.isfinite(value)):
-        raise InputError(f"--mask-value {value:g}: expected a finite negative number (e.g. -100)")
-    return given
 
 
 def explain(result, name: str) -> str:

@@ -8,6 +8,7 @@ import sys
 
 from mtkc.commands.options import add_common
 from mtkc.errors import InputError
+from mtkc.runtime.generate import Generator
 
 
 def add_parser(subparsers) -> None:
@@ -37,8 +38,6 @@ def parse_ids(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mtkc.runtime.generate import Generator
-
     if args.max_new_tokens < 0:
         raise InputError(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
     generator = Generator(args.out, mask_value=args.mask_value)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from mtkc.commands.options import add_common, add_pipeline
+from mtkc.commands.options import add_common, add_pipeline, from_args
+from mtkc.manager.guard import guarded
+from mtkc.manager.pass_manager import load_registry, resolve_pipeline
+from mtkc.options import Options
+from mtkc.passes.pipelines import default_pipeline
+from mtkc.rewrite.pass_api import Context
+from mtkc.target.capability import load_table
 
 
 def add_parser(sub) -> None:
@@ -24,10 +30,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from mtkc.pipeline.config import from_args
-
     options = from_args(args)
-    sdk = options.pop("sdk")
+    sdk = options.sdk
     rows, pipeline = list_passes(sdk, options)
     if args.format == "json":
         print(json.dumps({"schema_version": 1, "sdk": sdk, "pipeline": pipeline, "passes": rows}, sort_keys=True, indent=2))
@@ -38,20 +42,14 @@ def run(args) -> int:
     return 0
 
 
-def list_passes(sdk: str | None, options: dict) -> tuple[list[dict], list[str] | None]:
+def list_passes(sdk: str | None, options: Options) -> tuple[list[dict], list[str] | None]:
     """One row per pass: name, origin, description, applies (None without an SDK), default (named
     in the SDK's default pipeline, or an enabled plugin); and the effective pipeline (with an SDK)."""
-    from mtkc.manager.pass_manager import guarded, load_registry, resolve_pipeline
-    from mtkc.passes.pipelines import default_pipeline
-    from mtkc.rewrite.pass_api import Context
-
-    registry = load_registry(options.get("plugins") or [])
+    registry = load_registry(options.plugins)
     ctx = pipeline = None
     if sdk:
-        from mtkc.target.capability import load_table
-
-        ctx = Context(load_table(sdk, options.get("arch")), options)
-        pipeline = resolve_pipeline(registry, ctx, options.get("passes"), options.get("skip_passes") or []).names
+        ctx = Context(load_table(sdk, options.arch), options)
+        pipeline = resolve_pipeline(registry, ctx, options.passes, options.skip_passes).names
     defaults = set(default_pipeline(sdk)) | set(registry.enabled)
     rows = []
     for name in sorted(registry.names()):

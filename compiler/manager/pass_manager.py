@@ -29,7 +29,12 @@ from typing import Callable
 import onnx_graphsurgeon as gs
 
 from mtkc.errors import InputError, MtkcError, PassError
+from mtkc.ir import shapes
+from mtkc import passes as pass_package
 from mtkc.manager import invariants
+from mtkc.manager.guard import guarded, one_line
+from mtkc.manager.verify_each import EachVerifier
+from mtkc.passes.pipelines import default_pipeline
 from mtkc.rewrite.pass_api import REGISTRY, Context, Miss, Pass, PassResult, collecting, describe
 
 log = logging.getLogger("mtkc.passes")
@@ -89,11 +94,9 @@ def load_registry(plugins: list[str] | tuple[str, ...] = ()) -> Registry:
 @functools.cache
 def builtin_passes() -> dict[str, type[Pass]]:
     """Import every module of `mtkc.passes` (name order); its passes, in module then definition order."""
-    import mtkc.passes
-
     modules = [
         f"mtkc.passes.{info.name}"
-        for info in sorted(pkgutil.iter_modules(mtkc.passes.__path__), key=lambda m: m.name)
+        for info in sorted(pkgutil.iter_modules(pass_package.__path__), key=lambda m: m.name)
         if info.name != "pipelines"
     ]
     for module in modules:
@@ -180,8 +183,6 @@ def resolve_pipeline(
     skip: list[str] | tuple[str, ...] = (),
 ) -> Pipeline:
     """The passes to run: `passes` exactly, or the SDK default plus enabled plugins; minus `skip`."""
-    from mtkc.passes.pipelines import default_pipeline
-
     for name in [*(passes or []), *skip]:
         registry.get(name)  # unknown -> InputError listing the available passes
     skipped: list[tuple[str, str]] = []
@@ -254,12 +255,7 @@ def run_pipeline(
     """
     invariants.restore(graph, None, InputError)
     invariants.check(graph, None, error=InputError)
-    if verify_each:
-        from mtkc.manager.verify_each import EachVerifier
-
-        verifier = EachVerifier(graph, ctx, seed)
-    else:
-        verifier = None
+    verifier = EachVerifier(graph, ctx, seed) if verify_each else None
     records = []
     after = None  # loose tensors after the previous pass, when known (nothing below edits the graph)
     for p in pipeline.passes:
@@ -294,14 +290,12 @@ def run_pipeline(
 
 def _fill_types(graph: gs.Graph, root) -> None:
     """ONNX shape inference for tensors without dtype/static shape; known ones are kept as they are."""
-    from mtkc.ir.shapes import infer
-
     known = {
         id(t): (t.dtype, t.shape)
         for t in graph.tensors().values()
         if isinstance(t, gs.Variable) and t.dtype is not None and invariants.static(t)
     }
-    infer(graph, root)
+    shapes.infer(graph, root)
     for t in graph.tensors().values():
         if id(t) in known:
             t.dtype, t.shape = known[id(t)]
@@ -310,19 +304,3 @@ def _fill_types(graph: gs.Graph, root) -> None:
 def _new_loose(now: tuple[set[str], set[str]], before: tuple[set[str], set[str]]) -> bool:
     """Did the pass leave a tensor untyped, or a static graph with a dynamic tensor?"""
     return bool(now[0] - before[0]) or (not before[1] and bool(now[1]))
-
-
-def guarded(p, what: str, fn, *args):
-    """Call a pass hook; anything but an MtkcError becomes a PassError naming the pass."""
-    try:
-        return fn(*args)
-    except MtkcError:
-        raise
-    except Exception as exc:
-        name = getattr(p, "name", "?")
-        raise PassError(f"pass '{name}' ({describe(p if isinstance(p, type) else type(p))}) raised in {what}: {one_line(exc)}") from None
-
-
-def one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

@@ -12,7 +12,10 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.errors import InputError, MismatchError, PassError
-from mtkc.manager.pass_manager import builtin_passes, guarded, one_line
+from mtkc.ir import execute
+from mtkc.ir.compare import compare as errors
+from mtkc.manager.guard import guarded, one_line
+from mtkc.passes.bind_shapes import BindShapes
 from mtkc.rewrite.pass_api import Context, Pass
 
 ATOL, RTOL = 1e-5, 1e-4
@@ -28,8 +31,6 @@ class EachVerifier:
     """
 
     def __init__(self, graph: gs.Graph, ctx: Context, seed: int = 0, atol: float = ATOL, rtol: float = RTOL):
-        from mtkc.ir import execute
-
         self.ctx, self.atol, self.rtol = ctx, atol, rtol
         self.pending: list[Pass] = []
         inputs = _bound_inputs(graph, ctx)
@@ -44,8 +45,6 @@ class EachVerifier:
             ) from None
 
     def after(self, p: Pass, graph: gs.Graph, changed: bool) -> None:
-        from mtkc.ir import execute
-
         self.pending.append(p)
         if not changed:
             return
@@ -71,11 +70,9 @@ class EachVerifier:
 def _bound_inputs(graph: gs.Graph, ctx: Context) -> list[gs.Variable]:
     """The graph inputs with dims bound as the `bind-shapes` pass binds them (on a copy)."""
     copy = graph.copy()
-    bind = builtin_passes().get("bind-shapes")
-    if bind is not None:
-        instance = bind()
-        if guarded(instance, "applies", instance.applies, ctx):
-            guarded(instance, "run", instance.run, copy, ctx)
+    bind = BindShapes()
+    if bind.applies(ctx):
+        bind.run(copy, ctx)
     return [gs.Variable(t.name, t.dtype, list(t.shape or [])) for t in copy.inputs]
 
 
@@ -92,8 +89,6 @@ def _positions_follow_cache(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarra
 
 def compare(actual: np.ndarray, expected: np.ndarray, atol: float, rtol: float) -> str:
     """'' when equal within tolerance (exact for non-float), else what differs."""
-    from mtkc.pipeline.verify import compare as errors
-
     actual, expected = np.asarray(actual), np.asarray(expected)
     if actual.shape != expected.shape:
         return f"has shape {list(actual.shape)}, expected {list(expected.shape)}"

@@ -1,73 +1,48 @@
-"""`mtkc check` as an API: bind dynamic dims, type every tensor, judge every node against a table.
+"""`mtkc check` as an API: what compile will do with a model for one SDK, then the input's own verdicts.
 
-    check(model, sdk, ...) -> CheckReport       (what `mtkc check` prints)
-    assess(graph, table, ...) -> Assessment     (coverage/partitions/unsupported of any graph)
+    check(model, sdk, options) -> CheckReport
 
-Nothing is written and no weight is read (only small constants that shape inference needs).
-`check` also runs the pass pipeline (default, or as `pipeline` options select it) in memory for
-the coverage after passes.
+Leads with compile's outcome (`mtkc.pipeline.build`: the same defaults, choices, graphs, pipeline
+and partitions compile uses): verdict, partitions, largest NPU partition, whether `--strict`
+passes. Second, the raw verdicts of the input (dims bound as the user bound them), grouped by
+op and reason, each with the pass that rewrote it in compile's pipeline. Nothing is written.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any
 
-import numpy as np
 import onnx_graphsurgeon as gs
 
-from mtkc.errors import InputError
-from mtkc.ir import shapes
-from mtkc.ir.graph_utils import toposort
-from mtkc.ir.model import Model
-from mtkc.rewrite.pass_api import Context
+from mtkc.ir.model import load
+from mtkc.manager.pass_manager import load_registry
+from mtkc.options import Options, of
+from mtkc.pipeline.build import Build, build, raw_assessment
+from mtkc.rewrite.pass_api import Pass
 from mtkc.target import capability
-from mtkc.target.capability import Table, Verdict
+from mtkc.target.assess import Assessment, Group
 
 log = logging.getLogger("mtkc")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+SHAPE_REMEDY = "bind dims: --seq-len/--cache-len/--batch/--input-shape (compile binds T=128, C=512, batch 1)"
 
 
 @dataclass
-class Group:
-    """Unsupported nodes sharing op, domain and reason (detail/remedy of the first one)."""
+class GraphSummary:
+    """One graph compile writes: its nodes and NPU/CPU partitions."""
 
-    op: str
-    domain: str
-    verdict: Verdict  # of the first node
-    nodes: list[str] = field(default_factory=list)
-
-    @property
-    def reason(self) -> str:
-        return self.verdict.reason
-
-    @property
-    def count(self) -> int:
-        return len(self.nodes)
+    name: str
+    nodes: int
+    cpu_nodes: int
+    partitions: int
+    npu_partitions: int
+    largest_npu: int
 
     def to_json(self) -> dict:
-        v = self.verdict
-        return {"op": self.op, "domain": self.domain, "count": self.count, "reason": v.reason,
-                "detail": v.detail, "remedy": v.remedy, "nodes": list(self.nodes)}
-
-
-@dataclass
-class Assessment:
-    nodes: int  # non-Constant nodes judged
-    supported: int
-    partition_sizes: list[int]  # maximal runs of NPU nodes in topological order
-    groups: list[Group]
-    constants: int = 0  # Constant nodes (data, not judged)
-
-    @property
-    def coverage(self) -> float:
-        return round(self.supported / self.nodes, 4) if self.nodes else 1.0
-
-    @property
-    def partitions(self) -> int:
-        return len(self.partition_sizes)
+        return dict(self.__dict__)
 
 
 @dataclass
@@ -75,19 +50,48 @@ class CheckReport:
     sdk: str
     arch: str
     model: str
-    assessment: Assessment
-    unbound: list[str] = field(default_factory=list)  # symbolic dims no option bound
+    assessment: Assessment  # the input's verdicts
+    unbound: list[str] = field(default_factory=list)  # input dims the user's options left symbolic
+    graphs: list[GraphSummary] = field(default_factory=list)  # what compile writes (empty: not compiled)
     coverage_compiled: float | None = None
+    bound: dict[str, int] = field(default_factory=dict)  # dims compile binds by default
+    picked: dict[str, str] = field(default_factory=dict)  # choices compile makes, with why
     rewritten_by: dict[str, str] = field(default_factory=dict)  # unsupported node -> pass that fixes it
 
     @property
+    def cpu_fallback(self) -> bool:
+        """Some node runs on the CPU (what `--strict` refuses): after compile, else in the input."""
+        if self.graphs:
+            return any(g.cpu_nodes for g in self.graphs)
+        return self.assessment.supported < self.assessment.nodes
+
+    @property
+    def partitions(self) -> int:
+        return sum(g.partitions for g in self.graphs) if self.graphs else self.assessment.partitions
+
+    @property
+    def largest_partition(self) -> int:
+        """Nodes in the largest NPU partition (of the graph where it is smallest)."""
+        if self.graphs:
+            return min(g.largest_npu for g in self.graphs)
+        return max(self.assessment.partition_sizes, default=0)
+
+    @property
     def verdict(self) -> str:
-        """ORT usability-checker thresholds on the largest NPU partition."""
-        a = self.assessment
-        if not a.nodes or a.supported == a.nodes:
-            return "GOOD"
-        largest = max(a.partition_sizes, default=0) / a.nodes
-        return "GOOD" if largest > 0.75 else "MAYBE" if largest > 0.5 else "POOR"
+        """ORT usability-checker thresholds on the largest NPU partition, worst graph first."""
+        return min((_verdict(g.largest_npu, g.nodes, g.cpu_nodes) for g in self.graphs), key=VERDICTS.index) \
+            if self.graphs else _verdict(self.largest_partition, self.assessment.nodes,
+                                         self.assessment.nodes - self.assessment.supported)
+
+    def remedy(self, group: Group) -> str:
+        """The option or pass that fixes the group's nodes in compile, else the table's remedy."""
+        fixed = {self.rewritten_by[n] for n in group.nodes if n in self.rewritten_by}
+        if group.reason == "shape-dynamic":
+            return SHAPE_REMEDY
+        if fixed and len(fixed) == 1 and all(n in self.rewritten_by for n in group.nodes):
+            return f"pass {fixed.pop()} (compile runs it)"
+        v = group.verdict
+        return v.remedy
 
     def to_json(self) -> dict:
         a = self.assessment
@@ -96,105 +100,82 @@ class CheckReport:
             "sdk": self.sdk,
             "arch": self.arch,
             "model": self.model,
+            "verdict": self.verdict,
+            "strict": "fail" if self.cpu_fallback else "pass",
+            "partitions": self.partitions,
+            "largest_partition": self.largest_partition,
+            "graphs": [g.to_json() for g in self.graphs],
+            "unbound": list(self.unbound),
+            "bound": dict(self.bound),
+            "picked": dict(self.picked),
             "nodes": a.nodes,
             "coverage": {"raw": a.coverage, "compiled": self.coverage_compiled},
-            "partitions": a.partitions,
             "unsupported": [
-                {**g.to_json(), "rewritten_by": {n: self.rewritten_by[n] for n in g.nodes if n in self.rewritten_by}}
+                {"op": g.op, "domain": g.domain, "count": g.count, "reason": g.reason, "detail": g.verdict.detail,
+                 "remedy": self.remedy(g), "nodes": list(g.nodes),
+                 "rewritten_by": {n: self.rewritten_by[n] for n in g.nodes if n in self.rewritten_by}}
                 for g in a.groups
             ],
         }
 
 
-def check(model_path, sdk: str, arch: str | None = None, seq_len: int | None = None,
-          cache_len: int | None = None, batch: int | None = None,
-          input_shapes: dict[str, tuple[int, ...]] | None = None, compiled: bool = True,
-          pipeline: dict | None = None) -> CheckReport:
-    """Judge every node of the model at `model_path` for NeuroPilot `sdk`.
+VERDICTS = ("POOR", "MAYBE", "GOOD")
 
-    `compiled`: also run the pass pipeline in memory (`mtkc.pipeline.compile.compiled_coverage`)
-    for the coverage after passes and, per unsupported node, the pass that rewrites it.
-    `pipeline`: compile's pipeline options (`passes`, `skip_passes`, `plugins`, pass options);
-    plugins and pass names are checked before the model is read (PassError/InputError).
+
+def _verdict(largest: int, nodes: int, cpu_nodes: int) -> str:
+    if not nodes or not cpu_nodes:
+        return "GOOD"
+    share = largest / nodes
+    return "GOOD" if share > 0.75 else "MAYBE" if share > 0.5 else "POOR"
+
+
+def check(model_path, sdk: str, options: Options | dict[str, Any] | None = None, compiled: bool = True,
+          **values: Any) -> CheckReport:
+    """Judge the model at `model_path` for NeuroPilot `sdk` (see the module docstring).
+
+    `options`: compile's options (typed, or a dict validated like the CLI's); keyword `values`
+    are added to them (`check(m, "8.0", seq_len=8)`). `compiled=False`: only the raw verdicts.
+    Plugins and pass names are checked before the model is read.
     """
-    from mtkc.ir.model import load
-    from mtkc.manager.pass_manager import load_registry
-
-    table = capability.load_table(sdk, arch)  # unknown SDK fails before the model is read
-    pipeline = dict(pipeline or {})
+    options = of(options)
+    if values:
+        extra = of(values)  # validated like any other source
+        options = options.replace(**{key: getattr(extra, key) for key in values})
+    table = capability.load_table(sdk, options.arch)  # unknown SDK fails before the model is read
     if compiled:
-        registry = load_registry(pipeline.get("plugins") or ())
-        for name in [*(pipeline.get("passes") or []), *(pipeline.get("skip_passes") or [])]:
+        registry = load_registry(options.plugins)
+        for name in [*(options.passes or []), *options.skip_passes]:
             registry.get(name)
-    options = {**pipeline, "seq_len": seq_len, "cache_len": cache_len, "batch": batch, "input_shapes": input_shapes}
-    report = check_model(load(model_path), table, options, compiled)
-    report.model = str(model_path)
+    model = load(model_path)
+    if not compiled:
+        raw, unbound = raw_assessment(model, table, options)
+        return CheckReport(table.version, table.arch, str(model_path), raw, unbound)
+    watch: set[str] = set()
+    fixed: dict[str, str] = {}
+
+    def track(p: Pass, graph: gs.Graph) -> None:
+        nodes = {n.name: n for n in graph.nodes}
+        for name in sorted(watch - set(fixed)):
+            node = nodes.get(name)
+            if node is None or table.supports(node, graph.opset, model.values):
+                fixed[name] = p.name
+
+    raw_model = model.fresh()
+    raw, unbound = raw_assessment(raw_model, table, options)
+    watch.update(n for g in raw.groups for n in g.nodes)
+    result = build(model, options, table, observe=track, raw=False)
+    report = CheckReport(table.version, table.arch, str(model_path), raw, unbound)
+    _add_build(report, result)
+    report.rewritten_by = fixed
     return report
 
 
-def check_model(model: Model, table: Table, options: dict, compiled: bool = True) -> CheckReport:
-    """`check` of a loaded model: binds and types `model.graph` in place; the pipeline (when
-    `compiled`) runs on `model.fresh()`, so the file is parsed once."""
-    unbound = bind_and_type(model.graph, Context(table, options, model.root))
-    assessment = assess(model.graph, table, model.opset, model.values)
-    report = CheckReport(sdk=table.version, arch=table.arch, model=str(model.path),
-                         assessment=assessment, unbound=unbound)
-    if compiled:
-        from mtkc.errors import MtkcError
-        from mtkc.pipeline.compile import compiled_coverage
-
-        try:
-            watch = [n for g in assessment.groups for n in g.nodes]
-            report.coverage_compiled, report.rewritten_by = compiled_coverage(model.fresh(), table, options, watch)
-        except MtkcError as exc:  # check still reports the raw verdicts
-            log.warning("mtkc: coverage after passes unavailable: %s", exc)
-    return report
-
-
-def assess(graph: gs.Graph, table: Table, opset: int | None = None,
-           read_values: Callable[[gs.Constant], np.ndarray] | None = None) -> Assessment:
-    """Verdicts for every node of a typed graph, grouped; partitions estimated (linear)."""
-    try:
-        toposort(graph)
-    except Exception as exc:  # graphsurgeon raises a bare Exception on cycles
-        raise InputError(f"graph '{graph.name}' is not a DAG ({exc})") from None
-    groups: dict[tuple[str, str, str], Group] = {}
-    sizes: list[int] = []
-    run = supported = constants = 0
-    for node in graph.nodes:
-        if node.op == "Constant":
-            constants += 1
-            continue
-        v: Verdict = table.verdict(node, opset, read_values)
-        if v.supported:
-            supported += 1
-            run += 1
-            continue
-        if run:
-            sizes.append(run)
-            run = 0
-        domain = node.domain or capability.DEFAULT_DOMAIN
-        key = (node.op, domain, v.reason)
-        if key not in groups:
-            groups[key] = Group(node.op, domain, v)
-        groups[key].nodes.append(node.name)
-    if run:
-        sizes.append(run)
-    ordered = sorted(groups.values(), key=lambda g: (-g.count, g.domain, g.op, g.reason))
-    return Assessment(len(graph.nodes) - constants, supported, sizes, ordered, constants)
-
-
-# ---- shape inference -----------------------------------------------------------------------------
-
-
-def bind_and_type(graph: gs.Graph, ctx: Context) -> list[str]:
-    """Bind dims (the bind-shapes pass, which also infers), type every tensor, return the input
-    dims still symbolic (each one leaves its consumers `shape-dynamic`)."""
-    from mtkc.passes.bind_shapes import BindShapes
-
-    bind = BindShapes()
-    if bind.applies(ctx):
-        bind.run(graph, ctx)
-    else:
-        shapes.infer(graph, ctx.root)  # with onnxruntime's symbolic fallback
-    return sorted({d for t in graph.inputs for d in t.shape or () if isinstance(d, str) and not d.isdigit()})
+def _add_build(report: CheckReport, result: Build) -> None:
+    for v in result.variants:
+        nodes = sum(len(p["nodes"]) for p in v.partitions)
+        npu = [p for p in v.partitions if p["target"] == "npu"]
+        report.graphs.append(GraphSummary(v.name, nodes, v.cpu_nodes, len(v.partitions), len(npu), v.largest_npu))
+    known = [v.compiled.coverage for v in result.variants if v.compiled.coverage is not None]
+    report.coverage_compiled = min(known) if known else None
+    report.bound = dict(result.bound)
+    report.picked = dict(result.picked)

@@ -39,6 +39,9 @@ import onnx_graphsurgeon as gs
 
 from mtkc.errors import PassError
 from mtkc.ir.graph_utils import Names
+from mtkc.options import Options
+from mtkc.options import of as options_of
+from mtkc.rewrite.table import CapabilityTable
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
 
@@ -64,16 +67,20 @@ class PassResult:
 
 @dataclass
 class Context:
-    """What a pass may consult: the target table, user options, and how to read a weight.
+    """What a pass may consult: the target table, the typed compile options, how to read a weight.
 
-    `options` holds the compile options: `seq_len`, `cache_len`, `batch`, `input_shapes`
-    ({input name: dims}), `arch`, ... (None when not given).
+    `options` is a `mtkc.options.Options` (a dict is validated into one, for tests and the API).
+    `table` is None when a pass runs without a target (unit tests; `NullTable` is the explicit
+    permissive stand-in).
     """
 
-    table: Any  # mtkc.target.capability.Table
-    options: dict[str, Any] = field(default_factory=dict)
+    table: CapabilityTable | None
+    options: Options = field(default_factory=Options)
     root: Path | None = None  # folder of the source model's external data
     read_values: Callable[[gs.Constant], Any] | None = None
+
+    def __post_init__(self) -> None:
+        self.options = options_of(self.options)
 
     @property
     def sdk(self) -> str:

@@ -29,6 +29,8 @@ import onnx
 import onnxruntime as ort
 
 from mtkc.errors import InputError
+from mtkc.ir.model import ExternalValues, external_info
+from mtkc.ir.model_checks import ExternalDataError, external_fields, external_size, open_external
 
 log = logging.getLogger("mtkc")
 
@@ -259,9 +261,6 @@ class WeightTable:
 def _stream_npy(table: WeightTable, path: Path) -> bool:
     """Write a float32 external weight as .npy by copying its bytes (never held in memory);
     False when it is not such a weight. Same bytes as `np.save` of its values."""
-    from mtkc.ir.model import ExternalValues, external_info
-    from mtkc.ir.model_checks import ExternalDataError, external_fields, external_size, open_external
-
     values = table.const._values
     if not isinstance(values, ExternalValues) or values.tensor.data_type != onnx.TensorProto.FLOAT:
         return False

@@ -28,10 +28,9 @@ MDLA arch. Unknown keys, bad values or unknown source ids are load errors naming
 from __future__ import annotations
 
 import functools
-import importlib
+
 import importlib.resources
 import logging
-import pkgutil
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +41,8 @@ import onnx
 import onnx_graphsurgeon as gs
 import tomllib
 
-from mtkc.errors import InputError
+from mtkc.errors import InputError, MtkcError
+from mtkc.manager.pass_manager import builtin_passes
 
 log = logging.getLogger("mtkc")
 
@@ -525,22 +525,13 @@ def remedy_text(passes: tuple[str, ...], first_sdk: str | None, hint: str | None
     return "; ".join(parts) if parts else "CPU fallback"
 
 
-@functools.lru_cache(maxsize=1)
 def _registered_passes() -> frozenset[str]:
-    """Names in the pass registry after importing the built-in pass modules (stand-in for the
-    pass manager's loader: a module that fails to import is skipped, it is not our error)."""
-    from mtkc.rewrite import pass_api
-
+    """Names of the built-in passes (the pass manager imports them once)."""
     try:
-        package = importlib.import_module("mtkc.passes")
-        for info in pkgutil.iter_modules(package.__path__):
-            try:
-                importlib.import_module(f"mtkc.passes.{info.name}")
-            except Exception as exc:  # another module's bug must not break `check`
-                log.debug("pass module %s not importable: %s", info.name, exc)
-    except ImportError:
-        pass
-    return frozenset(pass_api.REGISTRY)
+        return frozenset(builtin_passes())
+    except MtkcError as exc:  # a broken pass module must not break `check`'s remedies
+        log.debug("built-in passes not importable: %s", exc)
+        return frozenset()
 
 
 # ---- the constraint predicates (one per kind; order = report priority) -------------------------

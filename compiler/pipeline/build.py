@@ -1,0 +1,181 @@
+"""Compile in memory: what `mtkc compile` writes and what `mtkc check` reports, from one function.
+
+    build(model, options, table) -> Build
+        raw verdicts (the input, dims bound as the user bound them)
+        ─► defaults: dims left unbound get MediaTek's LLM convention (T = 128, C = 512, batch 1)
+        ─► plan the graphs (`model`, or prefill/decode per chunk)
+        ─► per graph: fresh graph ─► pass pipeline ─► NPU/CPU partitions
+        ─► choices the user left open (rope_mode) take the value with the best placement
+
+Nothing is written; weights are read only where a pass needs their values.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import onnx_graphsurgeon as gs
+
+from mtkc.backend.stitch import Split, split
+from mtkc.errors import InputError
+from mtkc.ir import shapes
+from mtkc.ir.model import Model
+from mtkc.manager.pass_manager import PassRecord, Pipeline, load_registry, resolve_pipeline, run_pipeline
+from mtkc.options import Options
+from mtkc.passes.bind_shapes import BindShapes, has_past, input_roles
+from mtkc.passes.kv_cache import variants as plan_variants
+from mtkc.rewrite.pass_api import Context, Pass
+from mtkc.target.assess import Assessment, assess
+from mtkc.target.capability import Table
+
+log = logging.getLogger("mtkc")
+
+LLM_DEFAULTS = {"seq_len": 128, "cache_len": 512, "batch": 1}  # MediaTek's LLM convention (prefill T, cache C)
+
+
+@dataclass
+class Compiled:
+    """One pipeline run on one graph (in place)."""
+
+    model: Model
+    ctx: Context
+    pipeline: Pipeline
+    records: list[PassRecord]
+    coverage: float | None  # after the passes (None: the table gives no verdicts, e.g. a stand-in)
+
+
+@dataclass
+class GraphVariant:
+    """One graph to write (`model`, or `prefill`/`decode`), and its partitions."""
+
+    name: str
+    graph: gs.Graph
+    compiled: Compiled
+    split: Split
+
+    @property
+    def partitions(self) -> list[dict]:
+        return self.split.entries
+
+    @property
+    def cpu_nodes(self) -> int:
+        return sum(len(p["nodes"]) for p in self.partitions if p["target"] != "npu")
+
+    @property
+    def largest_npu(self) -> int:
+        return max((len(p["nodes"]) for p in self.partitions if p["target"] == "npu"), default=0)
+
+
+@dataclass
+class Build:
+    options: Options  # as used: defaults bound, choices picked
+    variants: list[GraphVariant]
+    raw: Assessment | None = None  # the input's verdicts (None for a stand-in table)
+    unbound: list[str] = field(default_factory=list)  # input dims the user's options left symbolic
+    bound: dict[str, int] = field(default_factory=dict)  # options set to LLM_DEFAULTS
+    picked: dict[str, str] = field(default_factory=dict)  # choice -> "value: why"
+
+
+def build(model: Model, options: Options, table, observe: Callable[[Pass, gs.Graph], None] | None = None,
+          raw: bool = True) -> Build:
+    """Everything compile decides for `model` (its graph is the first variant's, rewritten in place).
+
+    `observe(pass, graph)` runs after every pass of the first graph (`run_pipeline`).
+    """
+    result = Build(options, [])
+    if raw and isinstance(table, Table):
+        result.raw, result.unbound = raw_assessment(model.fresh(), table, options)
+    result.bound = llm_defaults(model.graph, options)
+    options = result.options = options.replace(**result.bound)
+    plan = plan_variants(model.graph, options)
+    for i, variant in enumerate(plan):
+        first = i == 0
+        m = model if first else model.fresh()
+        chosen = _best_first(m, variant.name, options.replace(**variant.options), table, observe, result) if first \
+            else _variant(m, variant.name, result.options.replace(**variant.options), table, None)
+        result.variants.append(chosen)
+    return result
+
+
+def _best_first(model: Model, name: str, options: Options, table, observe, result: Build) -> GraphVariant:
+    """The first graph, with `rope_mode` picked when the user left it open: `table` unless the
+    table's cos/sin Gather leaves nodes on the CPU and `pos_emb` leaves fewer."""
+    if options.rope_mode is not None:
+        return _variant(model, name, options, table, observe)
+    first = _variant(model, name, options.replace(rope_mode="table"), table, observe)
+    rope_ran = any(r.name == "rope" and r.rewrites for r in first.compiled.records)
+    best, mode = first, "table"
+    if rope_ran and first.cpu_nodes:
+        other = _variant(model.fresh(), name, options.replace(rope_mode="pos_emb"), table, observe)
+        if other.cpu_nodes < first.cpu_nodes:
+            best, mode = other, "pos_emb"
+            result.picked["rope_mode"] = (f"pos_emb: the cos/sin table gathered by position_ids leaves "
+                                          f"{first.cpu_nodes} nodes on the CPU of SDK {table.version}")
+    result.options = result.options.replace(rope_mode=mode)
+    return best
+
+
+def _variant(model: Model, name: str, options: Options, table, observe) -> GraphVariant:
+    compiled = compile_graph(model, options, table, observe)
+    for record in compiled.records:
+        record.graph = name
+    graph = model.graph
+    verdict = lambda n: table.verdict(n, graph.opset, model.values)  # noqa: E731
+    return GraphVariant(name, graph, compiled,
+                        split(graph, name, verdict, options.min_partition_nodes, options.force_cpu, options.force_npu))
+
+
+def compile_graph(model: Model, options: Options, table, observe=None) -> Compiled:
+    """Run the pipeline on `model.graph` in place; nothing is written."""
+    ctx = Context(table, options, model.root, model.values)
+    registry = load_registry(options.plugins)
+    pipeline = resolve_pipeline(registry, ctx, options.passes, options.skip_passes)
+    records = run_pipeline(model.graph, pipeline, ctx, verify_each=options.verify_each, observe=observe)
+    if any(p.name == "bind-shapes" for p in pipeline.passes):
+        _require_static(model.graph)
+    final = assess(model.graph, table, model.graph.opset, model.values) if isinstance(table, Table) else None
+    return Compiled(model, ctx, pipeline, records, final and final.coverage)
+
+
+def raw_assessment(model: Model, table: Table, options: Options) -> tuple[Assessment, list[str]]:
+    """The input's verdicts with dims bound as the user bound them (no pass but bind-shapes), and
+    the input dims left symbolic."""
+    unbound = bind_and_type(model.graph, Context(table, options, model.root))
+    return assess(model.graph, table, model.opset, model.values), unbound
+
+
+def bind_and_type(graph: gs.Graph, ctx: Context) -> list[str]:
+    """Bind dims (the bind-shapes pass, which also infers), type every tensor, return the input
+    dims still symbolic (each one leaves its consumers `shape-dynamic`)."""
+    bind = BindShapes()
+    if bind.applies(ctx):
+        bind.run(graph, ctx)
+    else:
+        shapes.infer(graph, ctx.root)  # with onnxruntime's symbolic fallback
+    return sorted({d for t in graph.inputs for d in t.shape or () if isinstance(d, str) and not d.isdigit()})
+
+
+def llm_defaults(graph: gs.Graph, options: Options) -> dict[str, int]:
+    """LLM_DEFAULTS for the shape options the user left unset whose dims are symbolic in the
+    model's inputs (none when the user binds inputs by name with --input-shape)."""
+    if options.input_shapes:
+        return {}
+    roles = set()
+    for t in graph.inputs:
+        shape = list(t.shape or [])
+        roles |= {role for axis, role in input_roles(t.name, len(shape)).items() if not isinstance(shape[axis], int)}
+    past = has_past(graph)
+    wanted = {"seq_len": bool(roles & {"seq", "total"}), "cache_len": past and bool(roles & {"cache", "total"}),
+              "batch": "batch" in roles}
+    return {key: LLM_DEFAULTS[key] for key, want in wanted.items() if want and getattr(options, key) is None}
+
+
+def _require_static(graph: gs.Graph) -> None:
+    """A bound graph has static inputs: a dim no option names is an error naming it."""
+    for t in graph.inputs:
+        dims = [d for d in t.shape or () if not isinstance(d, int)]
+        if dims:
+            raise InputError(f"input '{t.name}': dim '{dims[0]}' is still dynamic after binding; "
+                             f"bind it with --input-shape {t.name}=D0,D1,...")
