@@ -86,7 +86,9 @@ def test_verify_missing_manifest_is_input_error(tmp_path, run_cli):
 
 
 def test_causal_mask_and_feeds_mapping():
-    mask = V.causal_mask(2, 5, np.float32)
+    from mtkc.contract.mask import attention_mask
+
+    mask = attention_mask(2, 3, cached=[True, True, True])
     assert mask.shape == (1, 1, 2, 5)
     assert (mask[0, 0] == 0).tolist() == [[True, True, True, True, False], [True] * 5]
     args = [SimpleNamespace(name="input_ids", type="tensor(int64)", shape=["batch_size", "sequence_length"]),

@@ -24,26 +24,19 @@ Outputs: same name, or `present.i.key` <-> `present_key_i` (compiled may hold on
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
 
+from mtkc.contract import exporters, io
+from mtkc.contract import mask as contract_mask
+from mtkc.contract.positions import rope_rows
 from mtkc.errors import InputError, MismatchError
 from mtkc.ir.execute import session
 
 DYNAMIC_SEQ = 8  # tokens per sample when the compiled graph leaves the sequence length open
-MASK_MIN = -1.0e4  # any large finite negative value: softmax weight exp(-1e4) == 0 in fp32/fp16
-KV_INPUT = re.compile(r"^past_(key|value)_(\d+)$")
-KV_OUTPUT = re.compile(r"^present_(key|value)_(\d+)$")
-ORIGINAL_KV = (  # spellings of layer i's cache tensors: optimum/legacy, mtkc, transformers' exporter
-    "{io}.{i}.{kind}",
-    "{io}_key_values.{i}.{kind}",
-    "{io}_{kind}_{i}",
-    "{hf}.cache.layers.{i}.{kind}s",
-)
 
 
 @dataclass
@@ -180,7 +173,7 @@ class Host:
 
     embedding: np.ndarray | None = None
     rope: np.ndarray | None = None
-    mask_value: float = MASK_MIN
+    mask_value: float = contract_mask.DEFAULT_VALUE
 
     @classmethod
     def from_manifest(cls, manifest: dict, out: Path) -> "Host":
@@ -190,8 +183,7 @@ class Host:
             if not path.is_file():
                 raise InputError(f"{path}: host table '{name}' listed in the manifest is missing")
             tables[name] = np.load(path, mmap_mode="r", allow_pickle=False)
-        mask_value = (manifest.get("options") or {}).get("mask_value")
-        return cls(tables.get("embedding"), tables.get("rope"), float(mask_value) if mask_value is not None else MASK_MIN)
+        return cls(tables.get("embedding"), tables.get("rope"), contract_mask.value_of(manifest.get("options")))
 
 
 def build_feeds(original_inputs, compiled_inputs: list[dict], vocab: int, seed: int,
@@ -203,7 +195,8 @@ def build_feeds(original_inputs, compiled_inputs: list[dict], vocab: int, seed: 
     """
     host = host or Host()
     by_name = {i["name"]: i for i in compiled_inputs}
-    kv_of = _kv_names(by_name, "past", KV_INPUT)  # original cache input name -> compiled past_*_i
+    kv_of = {a.name: exporters.contract_name(a.name) for a in original_inputs
+             if exporters.contract_name(a.name) in by_name}  # original cache input name -> compiled past_*_i
     dims: dict[str, int] = {}  # symbolic dims of the original, unified with the compiled shapes
     for arg in original_inputs:
         twin = by_name.get(kv_of.get(arg.name, arg.name))
@@ -216,10 +209,10 @@ def build_feeds(original_inputs, compiled_inputs: list[dict], vocab: int, seed: 
     if len(mask) == 4 and all(isinstance(d, int) for d in mask):
         cache = mask[3] - mask[2]
     else:
-        cache = next((i["shape"][2] for i in compiled_inputs if KV_INPUT.match(i["name"])),
+        cache = next((i["shape"][2] for i in compiled_inputs if _is_past(i["name"])),
                      dims.get("past_sequence_length", 0))
     original_cached = any(a.name in kv_of or "past_sequence_length" in a.shape for a in original_inputs) or not any(
-        KV_INPUT.match(n) for n in by_name)
+        _is_past(n) for n in by_name)
     past = cache if original_cached else 0  # tokens before the new ones, as the original sees them
     dims = {"batch_size": 1, "batch": 1, "sequence_length": seq, "past_sequence_length": past,
             "total_sequence_length": past + seq, **dims}
@@ -249,37 +242,30 @@ def build_feeds(original_inputs, compiled_inputs: list[dict], vocab: int, seed: 
         name, dtype, shape = spec["name"], _manifest_dtype(spec["dtype"]), spec["shape"]
         source = source_of.get(name)
         if name == "attention_mask" and len(shape) == 4:
-            compiled[name] = causal_mask(shape[2], shape[3], dtype, host.mask_value, hidden=cache - past)
+            compiled[name] = contract_mask.additive(shape[2], shape[3], host.mask_value,
+                                                    np.arange(shape[3]) >= cache - past, dtype)[None, None]
         elif name in original and _fits(original[name].shape, shape):
             compiled[name] = original[name].astype(dtype)
         elif name == "position_ids":
             compiled[name] = positions.astype(dtype).reshape(shape)
         elif source is not None:
             compiled[name] = original[source].astype(dtype)
-        elif KV_INPUT.match(name) and not original_cached:
+        elif _is_past(name) and not original_cached:
             compiled[name] = np.zeros(shape, dtype)
         elif name == "hidden_states" and host.embedding is not None:
             compiled[name] = np.asarray(host.embedding[ids[0]], dtype)[None].reshape(shape)
         elif name == "pos_emb" and host.rope is not None:
-            compiled[name] = np.asarray(host.rope[:, positions], dtype)[None].reshape(shape)
+            compiled[name] = rope_rows(host.rope, positions).astype(dtype).reshape(shape)
         else:
             raise InputError(f"verify: no rule builds compiled input '{name}' {shape} from the original model's inputs")
     return original, compiled
-
-
-def causal_mask(seq: int, total: int, dtype, value: float = MASK_MIN, hidden: int = 0) -> np.ndarray:
-    """Additive [1,1,T,C+T] mask: row i sees cache slots >= `hidden` and new positions <= i."""
-    cache = total - seq
-    cols = np.arange(total)[None, :]
-    allowed = (cols <= cache + np.arange(seq)[:, None]) & (cols >= hidden)
-    return np.where(allowed, 0.0, value).astype(dtype)[None, None]
 
 
 def match_output(name: str, original_names: list[str]) -> str | None:
     """The original output a compiled output is compared with (same name, or its cache spelling)."""
     if name in original_names:
         return name
-    return next((o for o, c in _kv_names([name], "present", KV_OUTPUT).items() if o in original_names), None)
+    return next((o for o in original_names if exporters.contract_name(o) == name), None)
 
 
 def chains(graphs: list[dict]) -> list[list[dict]]:
@@ -363,7 +349,7 @@ def _record(worst: dict, skipped: list, graph: str, pipeline: str, name: str, va
             skipped.append(note)
         return
     want = expected[source]
-    if value.shape != want.shape and value.ndim == want.ndim == 4 and KV_OUTPUT.match(name):
+    if value.shape != want.shape and value.ndim == want.ndim == 4 and io.cache_name(name):
         want = want[:, :, -value.shape[2]:, :]  # new-entry-only present
     if value.shape != want.shape:
         check = Check(graph, pipeline, name, source, float("inf"), float("inf"), 0.0, False)
@@ -422,25 +408,15 @@ def _resolve(dim, axis: int, dims: dict, compiled: dict | None) -> int:
     return 1
 
 
-def _kv_names(compiled_names, io: str, regex: re.Pattern) -> dict[str, str]:
-    """Every exporter spelling of each compiled cache tensor (`past_key_3`) -> that compiled name."""
-    spellings = {}
-    for name in compiled_names:
-        m = regex.match(name)
-        if m:
-            kind, i = m.groups()
-            hf = "input" if io == "past" else "output"
-            spellings.update((p.format(io=io, hf=hf, i=i, kind=kind), name) for p in ORIGINAL_KV)
-    return spellings
+def _is_past(name: str) -> bool:
+    return (io.cache_name(name) or ("",))[0] == "past"
 
 
 def _np_dtype(ort_type: str) -> np.dtype:
-    names = {"float": np.float32, "float16": np.float16, "double": np.float64, "int64": np.int64,
-             "int32": np.int32, "bool": np.bool_, "int8": np.int8, "uint8": np.uint8}
-    inner = ort_type.removeprefix("tensor(").removesuffix(")")
-    if inner not in names:
+    dtype = io.ort_dtype(ort_type)
+    if dtype is None:
         raise InputError(f"verify: unsupported input type {ort_type}")
-    return np.dtype(names[inner])
+    return dtype
 
 
 def _manifest_dtype(name: str) -> np.dtype:
