@@ -13,7 +13,6 @@ previous OUT is intact; an existing OUT is only replaced with `overwrite`. Same 
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -228,7 +227,7 @@ def _report(model: Model, variants: list[GraphVariant], coverage: dict[str, Any]
             versions[dist] = None
     return {
         "schema_version": manifest.SCHEMA_VERSION,
-        "input": {"file": model.path.name, "sha256": _sha256(model.path)},
+        "input": {"file": model.path.name, "sha256": manifest.sha256(model.path)},
         "versions": versions,
         "pipeline": {v.name: v.compiled.pipeline.names for v in variants},
         "skipped": [{"graph": v.name, "name": n, "reason": r} for v in variants for n, r in v.compiled.pipeline.skipped],
@@ -239,14 +238,6 @@ def _report(model: Model, variants: list[GraphVariant], coverage: dict[str, Any]
         ],
         "coverage": coverage,
     }
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # --- output ---------------------------------------------------------------------------------

@@ -1,6 +1,12 @@
 """Check a compiled folder against the original model, numerically, in onnxruntime.
 
-For every graph in the manifest, two pipelines run on the same seeded inputs: the partitions
+Two independent comparisons; verify is ok only when both compared something and all agreed:
+
+* the oracle (`mtkc.pipeline.oracle`, KV-cache compiles): the original run as its exporter meant
+  it (its own inputs and mask form, its cache growing from empty, no padding) against the
+  compiled graphs through the reference runtime, on seeded prompts shorter and longer than T:
+  logits at every real position and the greedy tokens;
+* per graph: for every graph in the manifest, two pipelines run on the same seeded inputs: the partitions
 wired by the manifest (what the device will run, NPU pieces included) and the whole rewritten
 graph (`graphs[].path`). Each is compared with the original model per output: max abs error,
 max rel error, cosine similarity. The original is `manifest.model.path` (absolute) or `--model`.
@@ -24,17 +30,19 @@ Outputs: same name, or `present.i.key` <-> `present_key_i` (compiled may hold on
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnx
 
+from mtkc.backend.manifest import sha256
 from mtkc.contract import exporters, io
 from mtkc.contract import mask as contract_mask
 from mtkc.contract.positions import rope_rows
 from mtkc.errors import InputError, MismatchError
 from mtkc.ir.execute import session
+from mtkc.pipeline.oracle import NEW_TOKENS, Generation, Original, compare_generation, prompts
 
 DYNAMIC_SEQ = 8  # tokens per sample when the compiled graph leaves the sequence length open
 
@@ -60,17 +68,39 @@ class Result:
     rtol: float
     min_cosine: float
 
+    generations: list[Generation] = field(default_factory=list)  # the oracle's, one per prompt
+
+    @property
+    def compared(self) -> int:
+        return len(self.checks) + len(self.generations)
+
     @property
     def ok(self) -> bool:
-        return all(c.ok for c in self.checks)
+        return self.compared > 0 and all(c.ok for c in self.checks) and all(g.ok for g in self.generations)
 
     @property
     def failures(self) -> list[Check]:
         return [c for c in self.checks if not c.ok]
 
+    def failure(self) -> str:
+        """One line naming the first failure (or that nothing was compared)."""
+        if not self.compared:
+            return "verify: nothing was compared (" + ("; ".join(self.skipped) or "no graph with a matching output") + ")"
+        bad = next((g for g in self.generations if not g.ok), None)
+        if bad is not None:
+            what = (f"tokens {bad.actual} != the original's {bad.expected}" if bad.actual != bad.expected
+                    else f"logits at step {bad.worst_step}: max abs {bad.max_abs:.3g}, cosine {bad.cosine:.6f}")
+            return f"verify: generation from a {bad.prompt_len}-token prompt differs from the original export: {what}"
+        first = self.failures[0]
+        return (f"verify: graph '{first.graph}' output '{first.output}' ({first.pipeline}) does not match the original "
+                f"'{first.original}': max abs {first.max_abs:.3g}, cosine {first.cosine:.6f} "
+                f"(atol {self.atol:g}, rtol {self.rtol:g}, min cosine {self.min_cosine:g})")
+
     def to_json(self) -> dict:
         return {
             "ok": self.ok,
+            "compared": self.compared,
+            "generations": [g.to_json() for g in self.generations],
             "samples": self.samples,
             "atol": self.atol,
             "rtol": self.rtol,
@@ -289,8 +319,9 @@ def chains(graphs: list[dict]) -> list[list[dict]]:
 
 
 def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 1e-3, min_cosine: float = 0.999,
-           model: str | Path | None = None) -> Result:
-    """Compare every manifest graph (partitions wired, and whole) with the original model.
+           model: str | Path | None = None, new_tokens: int = NEW_TOKENS) -> Result:
+    """The oracle (KV-cache compiles; `new_tokens` greedy tokens per prompt, 0: off), then every
+    manifest graph (partitions wired, and whole) compared with the original model.
 
     Graphs wired together (layer chunks) run as one chain per sample: the original model runs
     once, chunk k is fed chunk k-1's output named by its input's `from`, and every chunk's
@@ -299,6 +330,10 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
     out = Path(out)
     manifest = load_manifest(out)
     source = original_path(manifest, out, model)
+    recorded = (manifest.get("model") or {}).get("sha256") if isinstance(manifest.get("model"), dict) else None
+    if recorded and sha256(source) != recorded:
+        raise InputError(f"{source}: not the model compiled into {out} (sha256 differs from the manifest's "
+                         f"{recorded[:12]}…); pass the compiled model with --model")
     try:
         reference = load_session(source)
     except InputError:
@@ -310,6 +345,7 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
     skipped: list[str] = []
     sessions: dict = {}
     host = Host.from_manifest(manifest, out)
+    generations = run_oracle(out, manifest, reference, new_tokens, skipped, atol, rtol, min_cosine)
     for chain in chains(manifest.get("graphs", [])):
         wholes = {g["name"]: _guarded(lambda: load_session(out / g["path"]), f"graph {g['path']}") for g in chain}
         wired = {(i["from"]["graph"], i["from"]["output"]) for g in chain for i in g["inputs"] if i.get("from")}
@@ -336,7 +372,35 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
                         if (g["name"], name) not in wired:
                             _record(worst, skipped, g["name"], pipeline, name, value, expected, original_outputs,
                                     atol, rtol, min_cosine)
-    return Result(list(worst.values()), skipped, samples, atol, rtol, min_cosine)
+    return Result(list(worst.values()), skipped, samples, atol, rtol, min_cosine, generations)
+
+
+def run_oracle(out: Path, manifest: dict, reference, new_tokens: int, skipped: list[str],
+               atol: float, rtol: float, min_cosine: float) -> list[Generation]:
+    """The oracle's generations (see `mtkc.pipeline.oracle`); why it could not run goes to `skipped`."""
+    from mtkc.runtime.generate import Generator
+
+    names = {g["name"] for g in manifest.get("graphs", [])}
+    if new_tokens <= 0:
+        return []
+    if not {"prefill", "decode"} & {n.split("_")[0] for n in names}:
+        skipped.append("oracle: no prefill/decode graphs (compile with --kv-cache to compare generation)")
+        return []
+    try:
+        generator = _guarded(lambda: Generator(out), "the reference runtime")
+    except InputError as exc:  # graphs outside the runtime contract (e.g. compiled without kv-cache)
+        skipped.append(f"oracle: the reference runtime cannot run these graphs: {exc}")
+        return []
+    original = Original.of(reference, generator.cache_shapes)
+    if isinstance(original, str):
+        skipped.append(f"oracle: the original export cannot be run as exported: {original}")
+        return []
+    vocab = _vocab(next(g for g in manifest["graphs"] if any(o["name"] == io.LOGITS for o in g["outputs"])), reference)
+    results = []
+    for prompt in prompts(generator.prefill[0].tokens, generator.cache_len, vocab, new_tokens):
+        results.append(_guarded(lambda: compare_generation(original, generator, prompt, new_tokens, compare,
+                                                           atol, rtol, min_cosine), "generation"))
+    return results
 
 
 def _record(worst: dict, skipped: list, graph: str, pipeline: str, name: str, value: np.ndarray, expected: dict,
@@ -370,7 +434,13 @@ def format_text(result: Result) -> str:
     widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines += [f"skipped: {s}" for s in result.skipped]
-    verdict = "ok" if result.ok else f"MISMATCH in {len(result.failures)} output(s)"
+    for g in result.generations:
+        lines.append(f"generate  prompt {g.prompt_len} tokens: {g.steps} logits rows, max abs {g.max_abs:.3g}, "
+                     f"min cosine {g.cosine:.6f}; tokens {'equal' if g.expected == g.actual else 'DIFFER'} "
+                     f"({len(g.expected)} new) {'ok' if g.ok else 'MISMATCH'}")
+    bad = len(result.failures) + sum(not g.ok for g in result.generations)
+    verdict = ("ok" if result.ok else "NOTHING COMPARED" if not result.compared
+               else f"MISMATCH in {bad} comparison(s)")
     lines.append(f"{verdict} ({result.samples} sample(s), atol {result.atol:g}, rtol {result.rtol:g}, "
                  f"min cosine {result.min_cosine:g})")
     return "\n".join(lines)
