@@ -28,12 +28,12 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc.contract import mask as contract_mask
 from mtkc.ir.graph_utils import replace_uses
 from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 from mtkc.rewrite.pattern import Const, Emit, Op, Or, Var, near, small_values
 
 MS = "com.microsoft"
-MASKED = -100.0  # finite (fp16/int16-safe) additive value for masked keys; option `mask_value`
 
 
 def _last(axis) -> bool:
@@ -72,7 +72,7 @@ class Attention(Pass):
 
     def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
         result = PassResult()
-        masked = float(ctx.options.mask_value or MASKED)
+        masked = contract_mask.value_of(ctx.options)
         for node in [n for n in graph.nodes if _fused_kind(n)]:
             why = _decompose(graph, node, masked)
             if why:
@@ -278,7 +278,5 @@ def _causal_bias(q, k, past_k, dtype, masked):
     past = 0 if past_k is None else length(past_k)
     if not all(isinstance(d, int) for d in (seq, cur, past)):
         return None
-    total = cur + past
-    allowed = np.arange(total)[None, :] <= np.arange(seq)[:, None] + past
-    return np.where(allowed, 0.0, masked).astype(dtype)
+    return contract_mask.additive(seq, cur + past, masked, dtype=dtype, offset=past)
 

@@ -41,28 +41,26 @@ Three passes, one idea (the cache contract of MediaTek's LLM runtime, ExecuTorch
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import networkx as nx
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc.contract import cache as layouts
+from mtkc.contract import exporters, io
+from mtkc.contract import mask as contract_mask
 from mtkc.errors import InputError
 from mtkc.ir import shapes
 from mtkc.options import Options
 from mtkc.rewrite.pass_api import Context, NodeNames, Pass, PassResult, register
 from mtkc.rewrite.pattern import values_of
 
-DEFAULT_SEQ_LEN = 128
-DEFAULT_CACHE_LEN = 512
-CACHE_IO = ("new", "sliding")
-KINDS = ("key", "value")
+DEFAULT_SEQ_LEN = layouts.DEFAULT_SEQ_LEN
+DEFAULT_CACHE_LEN = layouts.DEFAULT_CACHE_LEN
+CACHE_IO = layouts.LAYOUTS
+KINDS = io.KINDS
 
-_PAST_NAMES = [
-    re.compile(r"^past_(?P<kind>key|value)_(?P<i>\d+)$"),
-    re.compile(r"^(?:past_key_values|past|input\.cache\.layers)[._](?P<i>\d+)[._](?P<kind>key|value)s?$"),
-]
 _PASS_THROUGH = ("Identity",)
 
 
@@ -112,11 +110,9 @@ def past_inputs(graph: gs.Graph) -> dict[tuple[int, str], gs.Variable]:
     """Cache inputs by (layer, "key"|"value"), recognised by exporter naming."""
     found = {}
     for tensor in graph.inputs:
-        for pattern in _PAST_NAMES:
-            m = pattern.match(tensor.name)
-            if m:
-                found[(int(m["i"]), m["kind"])] = tensor
-                break
+        name = exporters.recognise(tensor.name)
+        if name and name[0] == "past":
+            found[(name[2], name[1])] = tensor
     return found
 
 
@@ -190,9 +186,7 @@ class KvCache(Pass):
         ids = next(v for k, v in feeds.items() if k in ("input_ids", "hidden_states"))
         t, c = ids.shape[1], ctx.options.cache_len or DEFAULT_CACHE_LEN
         keep = np.asarray(feeds.pop(self.old_mask))[0].astype(bool) if self.old_mask in feeds else np.ones(t, bool)
-        mask = np.full((t, c + t), float(ctx.options.mask_value or -100.0), np.float32)
-        mask[:, c:][np.tril(np.ones((t, t), bool)) & keep[None, :]] = 0.0
-        feeds["attention_mask"] = mask[None, None]
+        feeds["attention_mask"] = contract_mask.attention_mask(t, c, contract_mask.value_of(ctx.options), new=keep)
         feeds["position_ids"] = np.arange(t, dtype=np.int64)[None]
         if self.old_mask is not None:
             feeds[NEW_TOKEN_MASK] = keep.astype(np.int64)[None]
@@ -558,7 +552,7 @@ class KvCacheIo(Pass):
         mapped = {}
         for name, value in outputs.items():
             if name.startswith("present_"):
-                value = value[:, :, c:, :] if mode == "new" else value[:, :, t:, :]
+                value = layouts.from_outputs(value, mode, t, c)
             mapped[name] = value
         return mapped
 
@@ -636,21 +630,10 @@ def _hidden_shape(tensor: gs.Tensor, ctx: Context):
     return [1, ctx.options.seq_len or shape[1], shape[2]]
 
 
-_IO_ORDER = ("input_ids", "hidden_states", "attention_mask", "position_ids", "pos_emb", "logits", "hidden_states_out")
-_CACHE_NAME = re.compile(r"^(?:past|present)_(key|value)_(\d+)$")
-
-
 def contract_order(graph: gs.Graph) -> None:
     """Graph I/O in contract order: tokens/hidden, mask, positions, then per layer key, value."""
-
-    def key(t: gs.Tensor):
-        if t.name in _IO_ORDER:
-            return (0, _IO_ORDER.index(t.name), 0)
-        m = _CACHE_NAME.match(t.name)
-        return (1, int(m[2]), KINDS.index(m[1])) if m else (2, 0, 0)
-
-    graph.inputs = sorted(graph.inputs, key=key)
-    graph.outputs = sorted(graph.outputs, key=key)
+    graph.inputs = sorted(graph.inputs, key=lambda t: io.order_key(t.name))
+    graph.outputs = sorted(graph.outputs, key=lambda t: io.order_key(t.name))
 
 
 def layer_boundaries(graph: gs.Graph, layers: list[LayerCache]) -> dict[int, gs.Variable]:

@@ -12,7 +12,7 @@ Matched (anchor: each Softmax):
     Where(cond, scores, -big) ─ Softmax   (masked_fill form; cond derived from it)
 
 Emitted: a graph input `attention_mask` float32 [1, 1, T, C+T] (T = seq_len, C = cache_len, 0
-without cache), 0 where a key is visible and `mask_value` (default -100, finite) where it is not,
+without cache), 0 where a key is visible and `mask_value` (`mtkc.contract.mask`: default and builder) where it is not,
 feeding every site's Add. The guards that zero fully-masked rows, Where(c, 0, x) with c derived
 from the mask, go (a finite mask has no fully-masked row), and the 2-D input is removed.
 Refused, leaving the graph untouched: a 2-D mask that something else still needs (unbound
@@ -24,13 +24,14 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc.contract import io
+from mtkc.contract import mask as contract_mask
 from mtkc.ir.graph_utils import cleanup, replace_uses, toposort
 from mtkc.passes.attention import drop, row_guards
 from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 from mtkc.rewrite.pattern import Emit, small_values
 
-NAME = "attention_mask"
-DEFAULT_VALUE = -100.0
+NAME = io.ATTENTION_MASK
 
 
 def _mask_input(graph: gs.Graph) -> gs.Variable | None:
@@ -61,7 +62,7 @@ class Mask(Pass):
     description = "causal/padding mask construction -> one additive float attention_mask [1,1,T,C+T] input"
 
     def __init__(self):
-        self.value = DEFAULT_VALUE
+        self.value = contract_mask.DEFAULT_VALUE
         self.replaced: str | None = None  # the removed 2-D input's name (map_feeds reads it)
 
     def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
@@ -87,7 +88,7 @@ class Mask(Pass):
             return result
         for reader in readers:  # no cache: the mask is [batch, seq], like input_ids
             reader.inputs[0] = shapes
-        self.value = float(ctx.options.mask_value or DEFAULT_VALUE)
+        self.value = contract_mask.value_of(ctx.options)
         self.replaced = old.name
         new = self._input(graph, ctx, old)
         for site, index in sites:
@@ -125,9 +126,7 @@ class Mask(Pass):
         keep = np.asarray(feeds.pop(self.replaced))[0].astype(bool)
         total = keep.shape[0]
         seq = int(ctx.options.seq_len or _feed_seq(feeds) or total)
-        past = total - seq
-        visible = (np.arange(total)[None, :] <= past + np.arange(seq)[:, None]) & keep[None, :]
-        feeds[NAME] = np.where(visible, 0.0, self.value).astype(np.float32)[None, None]
+        feeds[NAME] = contract_mask.additive(seq, total, self.value, keep)[None, None]
         return feeds
 
 

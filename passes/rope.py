@@ -35,12 +35,13 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc.contract import io
 from mtkc.ir.graph_utils import replace_uses
 from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 from mtkc.rewrite.pattern import Const, Emit, Op, Or, Var, constant_of, near, small_values, values_of
 
 MS = "com.microsoft"
-POS_EMB = "pos_emb"
+POS_EMB = io.POS_EMB
 TABLE = "rope_table"  # in the names of the hoisted cos/sin tables (the embedding pass leaves them alone)
 
 

@@ -131,7 +131,7 @@ def test_mask_rows_and_cache_validity(compiled):
     generator.valid[:3] = True
     mask = generator._mask([1, 1, T, C + T], k=5, t=T)[0, 0]
     assert mask.shape == (T, C + T)
-    assert (mask[:, :3] == 0).all() and (mask[:, 3:C] == -100).all()
+    assert (mask[:, :3] == 0).all() and (mask[:, 3:C] == generator.mask_value).all()
     new = mask[:, C:] == 0
     assert np.array_equal(new[:5, :5], np.tril(np.ones((5, 5), bool))) and not new[:, 5:].any()
 

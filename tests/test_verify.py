@@ -86,7 +86,9 @@ def test_verify_missing_manifest_is_input_error(tmp_path, run_cli):
 
 
 def test_causal_mask_and_feeds_mapping():
-    mask = V.causal_mask(2, 5, np.float32)
+    from mtkc.contract.mask import attention_mask
+
+    mask = attention_mask(2, 3, cached=[True, True, True])
     assert mask.shape == (1, 1, 2, 5)
     assert (mask[0, 0] == 0).tolist() == [[True, True, True, True, False], [True] * 5]
     args = [SimpleNamespace(name="input_ids", type="tensor(int64)", shape=["batch_size", "sequence_length"]),
@@ -144,7 +146,8 @@ def test_verify_runs_layer_chunks_as_a_chain(exported, tmp_path, run_cli, cache_
     assert checked.skipped == []  # hidden_states_out feeds the next chunk: wiring, not an unmatched output
     assert max(c.max_abs for c in checked.checks) < 1e-4
     code, stdout, stderr = run_cli("verify", out, "--samples", "1")
-    assert code == 0 and stdout.rstrip().endswith("min cosine 0.999)") and stdout.count(" ok") == 20, stderr
+    # 20 per-graph rows + the oracle's one prompt (C=16 holds no prompt longer than T=8 and its new tokens)
+    assert code == 0 and stdout.rstrip().endswith("min cosine 0.999)") and stdout.count(" ok") == 21, stderr
 
 
 def test_chains_reject_wiring_from_a_later_graph():

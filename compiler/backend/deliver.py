@@ -21,7 +21,7 @@ from typing import Mapping
 import onnx_graphsurgeon as gs
 
 from mtkc.backend import handoff, report
-from mtkc.backend.manifest import dumps
+from mtkc.backend.manifest import dumps, source
 from mtkc.backend.stitch import Split
 from mtkc.errors import ConverterError
 
@@ -38,7 +38,7 @@ def finish(
 ) -> ConverterError | None:
     """`splits`: graph name -> (gs graph, Split). Updates `manifest` and `report_data` in place."""
     out = Path(out)
-    manifest["model"] = {"path": str(Path(model_path).resolve())}
+    manifest["model"] = source(str(Path(model_path).resolve()), (report_data.get("input") or {}).get("sha256"))
     report_data["placement"] = {name: report.placement(graph, s.parts, s.placements) for name, (graph, s) in splits.items()}
     placed = [p for facts in report_data["placement"].values() for p in (facts["npu_nodes"], facts["nodes"])]
     if isinstance(manifest.get("coverage"), dict) and placed:  # nodes placed on the NPU (after min size, overrides)

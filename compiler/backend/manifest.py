@@ -2,7 +2,12 @@
 
     {"schema_version", "sdk", "arch", "options",
      "graphs": [{"name", "path", "inputs": [{"name", "dtype", "shape", ["from"]}], "outputs", "partitions"}],
-     "coverage", "passes": [{"name", "rewrites", "nodes_before", "nodes_after"}]}
+     "coverage", "passes": [{"name", "rewrites", "nodes_before", "nodes_after"}],
+     "model": {"path", "sha256"}}
+
+`options.mask_value` is always recorded (the value the host mask uses), with `mask_value_source`
+("option": given by the user or config, "default": `mtkc.contract.mask.DEFAULT_VALUE`).
+`model.sha256` is the compiled ONNX file's digest: verify refuses another model.
 
 A graph input made by an earlier graph (layer chunks: chunk k's `hidden_states` is chunk k-1's
 `hidden_states_out`) carries `"from": {"graph", "output"}`; runtimes and verify wire by it.
@@ -14,11 +19,15 @@ bytes.
 
 from __future__ import annotations
 
+import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx_graphsurgeon as gs
+
+from mtkc.contract import mask
 
 SCHEMA_VERSION = 1
 
@@ -55,11 +64,26 @@ def build(
         "schema_version": SCHEMA_VERSION,
         "sdk": sdk,
         "arch": arch,
-        "options": options,
+        "options": {**options, "mask_value": mask.value_of(options),
+                    "mask_value_source": "default" if options.get("mask_value") is None else "option"},
         "graphs": graphs,
         "coverage": coverage,
         "passes": passes,
     }
+
+
+def source(path: str, sha256: str | None) -> dict[str, Any]:
+    """The manifest's `model`: the compiled file (absolute path) and its sha256."""
+    return {"path": path, "sha256": sha256}
+
+
+def sha256(path: str | Path) -> str:
+    """Hex sha256 of a file, read in 1 MB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def dumps(data: dict[str, Any]) -> str:

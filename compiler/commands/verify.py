@@ -8,6 +8,7 @@ import sys
 
 from mtkc.commands.options import add_common
 from mtkc.errors import InputError, MismatchError
+from mtkc.pipeline.oracle import NEW_TOKENS
 from mtkc.pipeline.verify import format_text, verify
 
 
@@ -15,8 +16,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "verify",
         help="compare the compiled pipeline with the original model in onnxruntime",
-        description="Run every partition wired by OUT/manifest.json, and every whole rewritten graph, on "
+        description="The oracle (KV-cache compiles): run the original export as its exporter meant it (cache "
+        "growing from empty, its own mask, no padding) and the compiled graphs through the reference runtime on "
+        "seeded prompts shorter and longer than T; compare logits at real positions and greedy tokens. Then run "
+        "every partition wired by OUT/manifest.json, and every whole rewritten graph, on "
         "seeded inputs; compare each output with the original model (max abs/rel error, cosine). "
+        "Exit 2 when the model is not the one compiled (sha256). Nothing compared is never ok. "
         "Graphs wired by the manifest (layer chunks: an input with `from`) run as one chain per sample. "
         "Exit 1 naming the first output that mismatches.",
     )
@@ -25,7 +30,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--atol", type=float, default=1e-3, help="absolute tolerance (default 1e-3)")
     parser.add_argument("--rtol", type=float, default=1e-3, help="tolerance relative to each output's largest magnitude (default 1e-3)")
     parser.add_argument("--min-cosine", type=float, default=0.999, help="minimum cosine similarity (default 0.999)")
-    parser.add_argument("--model", help="original model (default: the path recorded in the manifest)")
+    parser.add_argument("--model", help="original model (default: the path recorded in the manifest; "
+                        "its sha256 must be the compiled one's)")
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS, metavar="N",
+                        help=f"greedy tokens per prompt the oracle compares (default {NEW_TOKENS}; 0: per-graph only)")
     parser.add_argument("--format", choices=("text", "json"), default="text", help="output format on stdout")
     add_common(parser)
     parser.set_defaults(func=run)
@@ -35,18 +43,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     if args.samples < 1:
         raise InputError(f"--samples {args.samples}: must be at least 1")
+    if args.new_tokens < 0:
+        raise InputError(f"--new-tokens {args.new_tokens}: must be >= 0")
     result = verify(args.out, samples=args.samples, atol=args.atol, rtol=args.rtol,
-                    min_cosine=args.min_cosine, model=args.model)
+                    min_cosine=args.min_cosine, model=args.model, new_tokens=args.new_tokens)
     if args.format == "json":
         json.dump(result.to_json(), sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")
     else:
         print(format_text(result))
     if not result.ok:
-        first = result.failures[0]
-        raise MismatchError(
-            f"verify: graph '{first.graph}' output '{first.output}' ({first.pipeline}) does not match the original "
-            f"'{first.original}': max abs {first.max_abs:.3g}, cosine {first.cosine:.6f} "
-            f"(atol {args.atol:g}, rtol {args.rtol:g}, min cosine {args.min_cosine:g})"
-        )
+        raise MismatchError(result.failure())
     return 0

@@ -12,7 +12,6 @@ Same input + options -> byte-identical model, weights, manifest.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata as md
 import logging
 import os
@@ -126,7 +125,7 @@ def _report(model: Model, variants: list[GraphVariant], coverage: dict[str, Any]
             versions[dist] = None
     return {
         "schema_version": manifest.SCHEMA_VERSION,
-        "input": {"file": model.path.name, "sha256": _sha256(model.path)},
+        "input": {"file": model.path.name, "sha256": manifest.sha256(model.path)},
         "versions": versions,
         "pipeline": {v.name: v.compiled.pipeline.names for v in variants},
         "skipped": [{"graph": v.name, "name": n, "reason": r} for v in variants for n, r in v.compiled.pipeline.skipped],
@@ -137,14 +136,6 @@ def _report(model: Model, variants: list[GraphVariant], coverage: dict[str, Any]
         ],
         "coverage": coverage,
     }
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # --- output ---------------------------------------------------------------------------------

@@ -1,6 +1,12 @@
 """Check a compiled folder against the original model, numerically, in onnxruntime.
 
-For every graph in the manifest, two pipelines run on the same seeded inputs: the partitions
+Two independent comparisons; verify is ok only when both compared something and all agreed:
+
+* the oracle (`mtkc.pipeline.oracle`, KV-cache compiles): the original run as its exporter meant
+  it (its own inputs and mask form, its cache growing from empty, no padding) against the
+  compiled graphs through the reference runtime, on seeded prompts shorter and longer than T:
+  logits at every real position and the greedy tokens;
+* per graph: for every graph in the manifest, two pipelines run on the same seeded inputs: the partitions
 wired by the manifest (what the device will run, NPU pieces included) and the whole rewritten
 graph (`graphs[].path`). Each is compared with the original model per output: max abs error,
 max rel error, cosine similarity. The original is `manifest.model.path` (absolute) or `--model`.
@@ -24,27 +30,22 @@ Outputs: same name, or `present.i.key` <-> `present_key_i` (compiled may hold on
 from __future__ import annotations
 
 import json
-import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnx
 
+from mtkc.backend.manifest import sha256
+from mtkc.contract import exporters, io
+from mtkc.contract import mask as contract_mask
+from mtkc.contract.positions import rope_rows
 from mtkc.errors import InputError, MismatchError
 from mtkc.ir.compare import compare
 from mtkc.ir.execute import session
+from mtkc.pipeline.oracle import NEW_TOKENS, Generation, Original, compare_generation, prompts
 
 DYNAMIC_SEQ = 8  # tokens per sample when the compiled graph leaves the sequence length open
-MASK_MIN = -1.0e4  # any large finite negative value: softmax weight exp(-1e4) == 0 in fp32/fp16
-KV_INPUT = re.compile(r"^past_(key|value)_(\d+)$")
-KV_OUTPUT = re.compile(r"^present_(key|value)_(\d+)$")
-ORIGINAL_KV = (  # spellings of layer i's cache tensors: optimum/legacy, mtkc, transformers' exporter
-    "{io}.{i}.{kind}",
-    "{io}_key_values.{i}.{kind}",
-    "{io}_{kind}_{i}",
-    "{hf}.cache.layers.{i}.{kind}s",
-)
 
 
 @dataclass
@@ -68,17 +69,39 @@ class Result:
     rtol: float
     min_cosine: float
 
+    generations: list[Generation] = field(default_factory=list)  # the oracle's, one per prompt
+
+    @property
+    def compared(self) -> int:
+        return len(self.checks) + len(self.generations)
+
     @property
     def ok(self) -> bool:
-        return all(c.ok for c in self.checks)
+        return self.compared > 0 and all(c.ok for c in self.checks) and all(g.ok for g in self.generations)
 
     @property
     def failures(self) -> list[Check]:
         return [c for c in self.checks if not c.ok]
 
+    def failure(self) -> str:
+        """One line naming the first failure (or that nothing was compared)."""
+        if not self.compared:
+            return "verify: nothing was compared (" + ("; ".join(self.skipped) or "no graph with a matching output") + ")"
+        bad = next((g for g in self.generations if not g.ok), None)
+        if bad is not None:
+            what = (f"tokens {bad.actual} != the original's {bad.expected}" if bad.actual != bad.expected
+                    else f"logits at step {bad.worst_step}: max abs {bad.max_abs:.3g}, cosine {bad.cosine:.6f}")
+            return f"verify: generation from a {bad.prompt_len}-token prompt differs from the original export: {what}"
+        first = self.failures[0]
+        return (f"verify: graph '{first.graph}' output '{first.output}' ({first.pipeline}) does not match the original "
+                f"'{first.original}': max abs {first.max_abs:.3g}, cosine {first.cosine:.6f} "
+                f"(atol {self.atol:g}, rtol {self.rtol:g}, min cosine {self.min_cosine:g})")
+
     def to_json(self) -> dict:
         return {
             "ok": self.ok,
+            "compared": self.compared,
+            "generations": [g.to_json() for g in self.generations],
             "samples": self.samples,
             "atol": self.atol,
             "rtol": self.rtol,
@@ -160,7 +183,7 @@ class Host:
 
     embedding: np.ndarray | None = None
     rope: np.ndarray | None = None
-    mask_value: float = MASK_MIN
+    mask_value: float = contract_mask.DEFAULT_VALUE
 
     @classmethod
     def from_manifest(cls, manifest: dict, out: Path) -> "Host":
@@ -170,8 +193,7 @@ class Host:
             if not path.is_file():
                 raise InputError(f"{path}: host table '{name}' listed in the manifest is missing")
             tables[name] = np.load(path, mmap_mode="r", allow_pickle=False)
-        mask_value = (manifest.get("options") or {}).get("mask_value")
-        return cls(tables.get("embedding"), tables.get("rope"), float(mask_value) if mask_value is not None else MASK_MIN)
+        return cls(tables.get("embedding"), tables.get("rope"), contract_mask.value_of(manifest.get("options")))
 
 
 def build_feeds(original_inputs, compiled_inputs: list[dict], vocab: int, seed: int,
@@ -183,7 +205,8 @@ def build_feeds(original_inputs, compiled_inputs: list[dict], vocab: int, seed: 
     """
     host = host or Host()
     by_name = {i["name"]: i for i in compiled_inputs}
-    kv_of = _kv_names(by_name, "past", KV_INPUT)  # original cache input name -> compiled past_*_i
+    kv_of = {a.name: exporters.contract_name(a.name) for a in original_inputs
+             if exporters.contract_name(a.name) in by_name}  # original cache input name -> compiled past_*_i
     dims: dict[str, int] = {}  # symbolic dims of the original, unified with the compiled shapes
     for arg in original_inputs:
         twin = by_name.get(kv_of.get(arg.name, arg.name))
@@ -196,10 +219,10 @@ def build_feeds(original_inputs, compiled_inputs: list[dict], vocab: int, seed: 
     if len(mask) == 4 and all(isinstance(d, int) for d in mask):
         cache = mask[3] - mask[2]
     else:
-        cache = next((i["shape"][2] for i in compiled_inputs if KV_INPUT.match(i["name"])),
+        cache = next((i["shape"][2] for i in compiled_inputs if _is_past(i["name"])),
                      dims.get("past_sequence_length", 0))
     original_cached = any(a.name in kv_of or "past_sequence_length" in a.shape for a in original_inputs) or not any(
-        KV_INPUT.match(n) for n in by_name)
+        _is_past(n) for n in by_name)
     past = cache if original_cached else 0  # tokens before the new ones, as the original sees them
     dims = {"batch_size": 1, "batch": 1, "sequence_length": seq, "past_sequence_length": past,
             "total_sequence_length": past + seq, **dims}
@@ -229,37 +252,30 @@ def build_feeds(original_inputs, compiled_inputs: list[dict], vocab: int, seed: 
         name, dtype, shape = spec["name"], _manifest_dtype(spec["dtype"]), spec["shape"]
         source = source_of.get(name)
         if name == "attention_mask" and len(shape) == 4:
-            compiled[name] = causal_mask(shape[2], shape[3], dtype, host.mask_value, hidden=cache - past)
+            compiled[name] = contract_mask.additive(shape[2], shape[3], host.mask_value,
+                                                    np.arange(shape[3]) >= cache - past, dtype)[None, None]
         elif name in original and _fits(original[name].shape, shape):
             compiled[name] = original[name].astype(dtype)
         elif name == "position_ids":
             compiled[name] = positions.astype(dtype).reshape(shape)
         elif source is not None:
             compiled[name] = original[source].astype(dtype)
-        elif KV_INPUT.match(name) and not original_cached:
+        elif _is_past(name) and not original_cached:
             compiled[name] = np.zeros(shape, dtype)
         elif name == "hidden_states" and host.embedding is not None:
             compiled[name] = np.asarray(host.embedding[ids[0]], dtype)[None].reshape(shape)
         elif name == "pos_emb" and host.rope is not None:
-            compiled[name] = np.asarray(host.rope[:, positions], dtype)[None].reshape(shape)
+            compiled[name] = rope_rows(host.rope, positions).astype(dtype).reshape(shape)
         else:
             raise InputError(f"verify: no rule builds compiled input '{name}' {shape} from the original model's inputs")
     return original, compiled
-
-
-def causal_mask(seq: int, total: int, dtype, value: float = MASK_MIN, hidden: int = 0) -> np.ndarray:
-    """Additive [1,1,T,C+T] mask: row i sees cache slots >= `hidden` and new positions <= i."""
-    cache = total - seq
-    cols = np.arange(total)[None, :]
-    allowed = (cols <= cache + np.arange(seq)[:, None]) & (cols >= hidden)
-    return np.where(allowed, 0.0, value).astype(dtype)[None, None]
 
 
 def match_output(name: str, original_names: list[str]) -> str | None:
     """The original output a compiled output is compared with (same name, or its cache spelling)."""
     if name in original_names:
         return name
-    return next((o for o, c in _kv_names([name], "present", KV_OUTPUT).items() if o in original_names), None)
+    return next((o for o in original_names if exporters.contract_name(o) == name), None)
 
 
 def chains(graphs: list[dict]) -> list[list[dict]]:
@@ -283,8 +299,9 @@ def chains(graphs: list[dict]) -> list[list[dict]]:
 
 
 def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 1e-3, min_cosine: float = 0.999,
-           model: str | Path | None = None) -> Result:
-    """Compare every manifest graph (partitions wired, and whole) with the original model.
+           model: str | Path | None = None, new_tokens: int = NEW_TOKENS) -> Result:
+    """The oracle (KV-cache compiles; `new_tokens` greedy tokens per prompt, 0: off), then every
+    manifest graph (partitions wired, and whole) compared with the original model.
 
     Graphs wired together (layer chunks) run as one chain per sample: the original model runs
     once, chunk k is fed chunk k-1's output named by its input's `from`, and every chunk's
@@ -293,6 +310,10 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
     out = Path(out)
     manifest = load_manifest(out)
     source = original_path(manifest, out, model)
+    recorded = (manifest.get("model") or {}).get("sha256") if isinstance(manifest.get("model"), dict) else None
+    if recorded and sha256(source) != recorded:
+        raise InputError(f"{source}: not the model compiled into {out} (sha256 differs from the manifest's "
+                         f"{recorded[:12]}…); pass the compiled model with --model")
     try:
         reference = load_session(source)
     except InputError:
@@ -304,6 +325,7 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
     skipped: list[str] = []
     sessions: dict = {}
     host = Host.from_manifest(manifest, out)
+    generations = run_oracle(out, manifest, reference, new_tokens, skipped, atol, rtol, min_cosine)
     for chain in chains(manifest.get("graphs", [])):
         wholes = {g["name"]: _guarded(lambda: load_session(out / g["path"]), f"graph {g['path']}") for g in chain}
         wired = {(i["from"]["graph"], i["from"]["output"]) for g in chain for i in g["inputs"] if i.get("from")}
@@ -330,7 +352,35 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
                         if (g["name"], name) not in wired:
                             _record(worst, skipped, g["name"], pipeline, name, value, expected, original_outputs,
                                     atol, rtol, min_cosine)
-    return Result(list(worst.values()), skipped, samples, atol, rtol, min_cosine)
+    return Result(list(worst.values()), skipped, samples, atol, rtol, min_cosine, generations)
+
+
+def run_oracle(out: Path, manifest: dict, reference, new_tokens: int, skipped: list[str],
+               atol: float, rtol: float, min_cosine: float) -> list[Generation]:
+    """The oracle's generations (see `mtkc.pipeline.oracle`); why it could not run goes to `skipped`."""
+    from mtkc.runtime.generate import Generator
+
+    names = {g["name"] for g in manifest.get("graphs", [])}
+    if new_tokens <= 0:
+        return []
+    if not {"prefill", "decode"} & {n.split("_")[0] for n in names}:
+        skipped.append("oracle: no prefill/decode graphs (compile with --kv-cache to compare generation)")
+        return []
+    try:
+        generator = _guarded(lambda: Generator(out), "the reference runtime")
+    except InputError as exc:  # graphs outside the runtime contract (e.g. compiled without kv-cache)
+        skipped.append(f"oracle: the reference runtime cannot run these graphs: {exc}")
+        return []
+    original = Original.of(reference, generator.cache_shapes)
+    if isinstance(original, str):
+        skipped.append(f"oracle: the original export cannot be run as exported: {original}")
+        return []
+    vocab = _vocab(next(g for g in manifest["graphs"] if any(o["name"] == io.LOGITS for o in g["outputs"])), reference)
+    results = []
+    for prompt in prompts(generator.prefill[0].tokens, generator.cache_len, vocab, new_tokens):
+        results.append(_guarded(lambda: compare_generation(original, generator, prompt, new_tokens, compare,
+                                                           atol, rtol, min_cosine), "generation"))
+    return results
 
 
 def _record(worst: dict, skipped: list, graph: str, pipeline: str, name: str, value: np.ndarray, expected: dict,
@@ -343,7 +393,7 @@ def _record(worst: dict, skipped: list, graph: str, pipeline: str, name: str, va
             skipped.append(note)
         return
     want = expected[source]
-    if value.shape != want.shape and value.ndim == want.ndim == 4 and KV_OUTPUT.match(name):
+    if value.shape != want.shape and value.ndim == want.ndim == 4 and io.cache_name(name):
         want = want[:, :, -value.shape[2]:, :]  # new-entry-only present
     if value.shape != want.shape:
         check = Check(graph, pipeline, name, source, float("inf"), float("inf"), 0.0, False)
@@ -364,7 +414,13 @@ def format_text(result: Result) -> str:
     widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines += [f"skipped: {s}" for s in result.skipped]
-    verdict = "ok" if result.ok else f"MISMATCH in {len(result.failures)} output(s)"
+    for g in result.generations:
+        lines.append(f"generate  prompt {g.prompt_len} tokens: {g.steps} logits rows, max abs {g.max_abs:.3g}, "
+                     f"min cosine {g.cosine:.6f}; tokens {'equal' if g.expected == g.actual else 'DIFFER'} "
+                     f"({len(g.expected)} new) {'ok' if g.ok else 'MISMATCH'}")
+    bad = len(result.failures) + sum(not g.ok for g in result.generations)
+    verdict = ("ok" if result.ok else "NOTHING COMPARED" if not result.compared
+               else f"MISMATCH in {bad} comparison(s)")
     lines.append(f"{verdict} ({result.samples} sample(s), atol {result.atol:g}, rtol {result.rtol:g}, "
                  f"min cosine {result.min_cosine:g})")
     return "\n".join(lines)
@@ -402,25 +458,15 @@ def _resolve(dim, axis: int, dims: dict, compiled: dict | None) -> int:
     return 1
 
 
-def _kv_names(compiled_names, io: str, regex: re.Pattern) -> dict[str, str]:
-    """Every exporter spelling of each compiled cache tensor (`past_key_3`) -> that compiled name."""
-    spellings = {}
-    for name in compiled_names:
-        m = regex.match(name)
-        if m:
-            kind, i = m.groups()
-            hf = "input" if io == "past" else "output"
-            spellings.update((p.format(io=io, hf=hf, i=i, kind=kind), name) for p in ORIGINAL_KV)
-    return spellings
+def _is_past(name: str) -> bool:
+    return (io.cache_name(name) or ("",))[0] == "past"
 
 
 def _np_dtype(ort_type: str) -> np.dtype:
-    names = {"float": np.float32, "float16": np.float16, "double": np.float64, "int64": np.int64,
-             "int32": np.int32, "bool": np.bool_, "int8": np.int8, "uint8": np.uint8}
-    inner = ort_type.removeprefix("tensor(").removesuffix(")")
-    if inner not in names:
+    dtype = io.ort_dtype(ort_type)
+    if dtype is None:
         raise InputError(f"verify: unsupported input type {ort_type}")
-    return np.dtype(names[inner])
+    return dtype
 
 
 def _manifest_dtype(name: str) -> np.dtype:

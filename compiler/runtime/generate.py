@@ -28,17 +28,15 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from mtkc.contract import cache as layouts
+from mtkc.contract import io, mask, positions
 from mtkc.errors import InputError
 from mtkc.ir.model import ExternalValues, external_info
 from mtkc.ir.model_checks import ExternalDataError, external_fields, external_size, open_external
 
 log = logging.getLogger("mtkc")
 
-DEFAULT_MASK_VALUE = -100.0
 _NAME = re.compile(r"^(prefill|decode)(?:_(\d+))?$")
-_PRESENT = re.compile(r"^present_(key|value)_(\d+)$")
-_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int32)": np.int32,
-          "tensor(int64)": np.int64, "tensor(bool)": np.bool_}
 
 
 @dataclass
@@ -53,9 +51,9 @@ class Stage:
 
     @property
     def tokens(self) -> int:
-        for name in ("input_ids", "hidden_states", "position_ids", "pos_emb"):
+        for name in (io.INPUT_IDS, io.HIDDEN_STATES, io.POSITION_IDS, io.POS_EMB):
             if name in self.inputs:
-                return self.inputs[name][1][2 if name == "pos_emb" else 1]
+                return self.inputs[name][1][2 if name == io.POS_EMB else 1]
         raise InputError(f"graph '{self.name}': no input_ids / hidden_states / position_ids input")
 
 
@@ -69,7 +67,7 @@ class Generator:
             raise InputError(f"{path}: no manifest.json (is this an `mtkc compile` output folder?)")
         manifest = json.loads(path.read_text())
         options = manifest.get("options") or {}
-        self.mask_value = float(mask_value if mask_value is not None else options.get("mask_value", DEFAULT_MASK_VALUE))
+        self.mask_value = float(mask_value) if mask_value is not None else mask.value_of(options)
         stages: dict[str, list[tuple[int, Stage]]] = {"prefill": [], "decode": []}
         for graph in manifest.get("graphs", []):
             m = _NAME.match(graph["name"])
@@ -81,8 +79,8 @@ class Generator:
         self.decode = [s for _, s in sorted(stages["decode"], key=lambda x: x[0])]
         self._layout(options.get("cache_io"))
         first = self.prefill[0].inputs
-        self.embedding = self._host(manifest, "embedding", "graphs take hidden_states") if "hidden_states" in first else None
-        self.rope = self._host(manifest, "rope", "graphs take pos_emb") if "pos_emb" in first else None
+        self.embedding = self._host(manifest, "embedding", "graphs take hidden_states") if io.HIDDEN_STATES in first else None
+        self.rope = self._host(manifest, "rope", "graphs take pos_emb") if io.POS_EMB in first else None
         self.stop_reason: str | None = None
 
     def _stage(self, graph: dict) -> Stage:
@@ -96,7 +94,7 @@ class Generator:
         for x in session.get_inputs():
             if not all(isinstance(d, int) for d in x.shape):
                 raise InputError(f"{path}: input '{x.name}' has a dynamic shape {x.shape}")
-            inputs[x.name] = (_TYPES.get(x.type, np.float32), list(x.shape))
+            inputs[x.name] = (io.ort_dtype(x.type) or np.float32, list(x.shape))
         sources = {i["name"]: (i["from"]["graph"], i["from"]["output"]) for i in graph.get("inputs", []) if i.get("from")}
         return Stage(graph["name"], session, inputs, [o.name for o in session.get_outputs()], sources)
 
@@ -105,7 +103,7 @@ class Generator:
         shapes = {}
         for stage in self.prefill + self.decode:
             for name, (_, shape) in stage.inputs.items():
-                if name.startswith("past_"):
+                if (io.cache_name(name) or ("",))[0] == "past":
                     shapes[name] = shape
         if not shapes:
             raise InputError(f"{self.root}: the graphs have no past_key_<i>/past_value_<i> inputs")
@@ -113,9 +111,11 @@ class Generator:
         self.cache_len = next(iter(shapes.values()))[2]
         if cache_io is None:
             t = self.prefill[0].tokens
-            present = next((o for o in self.prefill[0].outputs if _PRESENT.match(o)), None)
+            present = next((o for o in self.prefill[0].outputs if io.past_of(o)), None)
             dims = self.prefill[0].session.get_outputs()[self.prefill[0].outputs.index(present)].shape if present else None
             cache_io = "sliding" if dims and dims[2] == self.cache_len and t != self.cache_len else "new"
+        if cache_io not in layouts.LAYOUTS:
+            raise InputError(f"{self.root}/manifest.json: cache_io '{cache_io}', expected one of {', '.join(layouts.LAYOUTS)}")
         self.cache_io = cache_io
 
     def _host(self, manifest: dict, name: str, why: str) -> np.ndarray:
@@ -135,8 +135,10 @@ class Generator:
         self.filled = 0  # tokens whose K/V are in the cache (also the next position)
         self.stop_reason = None
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-        """Greedy tokens after `prompt_ids`; fewer when the cache fills (see `stop_reason`)."""
+    def generate(self, prompt_ids: list[int], max_new_tokens: int,
+                 observe: Callable[[np.ndarray], None] | None = None) -> list[int]:
+        """Greedy tokens after `prompt_ids`; fewer when the cache fills (see `stop_reason`).
+        `observe(logits [k, V])` sees the logits of every call's k real tokens, in order."""
         prompt = [int(x) for x in prompt_ids]
         if not prompt:
             raise InputError("--prompt-ids: the prompt is empty")
@@ -149,6 +151,8 @@ class Generator:
                 raise InputError(f"prompt of {len(prompt)} tokens does not fit the cache of {self.cache_len} "
                                  f"({self.cache_io} cache, {t} tokens per prefill call)")
             logits = self.step(self.prefill, prompt[start:start + t])
+            if observe:
+                observe(logits)
         out = [int(np.argmax(logits[-1]))]
         while len(out) < max_new_tokens:
             if not self.fits(1, 1):
@@ -157,22 +161,22 @@ class Generator:
                 log.warning("mtkc: %s", self.stop_reason)
                 break
             logits = self.step(self.decode, out[-1:])
+            if observe:
+                observe(logits)
             out.append(int(np.argmax(logits[-1])))
         return out
 
     def fits(self, t: int, k: int) -> bool:
         """Whether a call of `k` tokens (padded to `t`) keeps every cached token."""
-        if self.cache_io == "sliding":
-            return not self.valid[:t].any()
-        return self.filled + k <= self.cache_len
+        return layouts.fits(self.cache_io, self.valid, self.filled, t, k)
 
     def step(self, stages: list[Stage], tokens: list[int]) -> np.ndarray:
         """Run `tokens` (at most T) through one prefill or decode pass; returns their logits [k, V]."""
         t, k = stages[0].tokens, len(tokens)
         ids = np.zeros((1, t), np.int64)
         ids[0, :k] = tokens
-        positions = self.filled + np.minimum(np.arange(t), k - 1)
-        feeds = {"input_ids": ids, "position_ids": positions[None]}
+        rows = positions.of_call(self.filled, t, k)
+        feeds = {io.INPUT_IDS: ids, io.POSITION_IDS: rows[None]}
         results: dict[str, dict[str, np.ndarray]] = {}
         for stage in stages:
             feed = {}
@@ -183,14 +187,14 @@ class Generator:
                         raise InputError(f"graph '{stage.name}': input '{name}' is wired from '{graph}' output "
                                          f"'{output}', which no earlier graph of this pass produced")
                     value = results[graph][output]
-                elif name.startswith("past_"):
+                elif name in self.cache:
                     value = self.cache[name]
-                elif name == "hidden_states":
+                elif name == io.HIDDEN_STATES:
                     value = self.embedding[ids[0]][None]
-                elif name == "attention_mask":
+                elif name == io.ATTENTION_MASK:
                     value = self._mask(shape, k, t)
-                elif name == "pos_emb":
-                    value = self.rope[:, positions][None]
+                elif name == io.POS_EMB:
+                    value = positions.rope_rows(self.rope, rows)
                 elif name in feeds:
                     value = feeds[name]
                 else:
@@ -199,37 +203,21 @@ class Generator:
                 feed[name] = value.reshape(shape) if shape else value
             result = results[stage.name] = dict(zip(stage.outputs, stage.session.run(stage.outputs, feed)))
             self._update(result, k)
-            logits = result.get("logits")
-        self._advance(k, t)
+            logits = result.get(io.LOGITS)
+        self.valid = layouts.advance(self.cache_io, self.valid, self.filled, t, k)
+        self.filled += k
         return logits[0, :k]
 
     def _mask(self, shape: list[int], k: int, t: int) -> np.ndarray:
-        c = self.cache_len
         if len(shape) == 2:  # the export's own int mask [1, C+T]: 1 = attend
             return np.concatenate([self.valid, np.arange(t) < k])[None]
-        mask = np.full((t, c + t), self.mask_value, np.float32)
-        mask[:, :c][:, self.valid] = 0.0
-        causal = np.tril(np.ones((t, t), bool)) & (np.arange(t) < k)[None, :]
-        mask[:, c:][causal] = 0.0
-        return mask[None, None]
+        return mask.attention_mask(t, self.cache_len, self.mask_value, self.valid, np.arange(t) < k)
 
     def _update(self, result: dict[str, np.ndarray], k: int) -> None:
         for name, value in result.items():
-            m = _PRESENT.match(name)
-            if not m:
-                continue
-            past = f"past_{m[1]}_{m[2]}"
-            if self.cache_io == "sliding":
-                self.cache[past] = value
-            else:
-                self.cache[past][:, :, self.filled:self.filled + k] = value[:, :, :k]
-
-    def _advance(self, k: int, t: int) -> None:
-        if self.cache_io == "sliding":
-            self.valid = np.concatenate([self.valid, np.arange(t) < k])[t:]
-        else:
-            self.valid[self.filled:self.filled + k] = True
-        self.filled += k
+            past = io.past_of(name)
+            if past in self.cache:
+                self.cache[past] = layouts.store(self.cache_io, self.cache[past], value, self.filled, k)
 
 
 def host_tables(passes, read_values) -> dict[str, np.ndarray | Callable[[], np.ndarray]]:

@@ -1,0 +1,47 @@
+"""The additive attention mask: its value and its one builder.
+
+A compiled graph takes `attention_mask` float [1,1,T,C+T]: 0 where query row i may see key
+column j, `value` where it may not, added to the attention scores before Softmax. Key columns
+are the C cache slots, then the T new tokens (bottom-right aligned, so query i is the token at
+column C+i). Row i sees column j iff j <= C+i (causal) and the key holds a real token (`keys`).
+
+Default value: softmax weight of a masked key is exp(score + value - max); the value must
+outweigh every score difference a model produces, or masked (empty or padded) keys leak in and
+change the tokens. -100 (MediaTek's runtime) is not enough for models whose scores exceed ~100
+(large q/k norms or biases: unusual, but real). -3e4 is the most negative round value with fp16
+headroom: score + value stays finite in fp16 (|.| < 65504) for any |score| < 3.5e4, and
+exp(-3e4) is 0 in every float format. `--mask-value` overrides it (to match a runtime);
+`mtkc verify` fails when a chosen value changes the tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+DEFAULT_VALUE = -3.0e4
+
+
+def value_of(options) -> float:
+    """The mask value a compile uses: option `mask_value` (typed Options or a manifest's dict), else the default."""
+    given = options.get("mask_value") if isinstance(options, dict) else getattr(options, "mask_value", None)
+    return DEFAULT_VALUE if given is None else float(given)
+
+
+def additive(seq: int, total: int, value: float = DEFAULT_VALUE, keys=None, dtype=np.float32,
+             offset: int | None = None) -> np.ndarray:
+    """[seq, total] additive causal mask: row i sees column j iff j <= offset+i and `keys[j]`
+    (bool [total], default all real); offset: the columns before row 0's token (default total-seq)."""
+    offset = total - seq if offset is None else offset
+    allowed = np.arange(total)[None, :] <= offset + np.arange(seq)[:, None]
+    if keys is not None:
+        allowed &= np.asarray(keys, bool).reshape(total)[None, :]
+    return np.where(allowed, 0.0, value).astype(dtype)
+
+
+def attention_mask(seq: int, cache: int, value: float = DEFAULT_VALUE, cached=None, new=None,
+                   dtype=np.float32) -> np.ndarray:
+    """The graph input [1,1,T,C+T]: `cached` bool [C] says which cache slots hold a token (default
+    none), `new` bool [T] which of the T new rows are real (default all; padding after them)."""
+    slots = np.zeros(cache, bool) if cached is None else np.asarray(cached, bool)
+    rows = np.ones(seq, bool) if new is None else np.asarray(new, bool)
+    return additive(seq, cache + seq, value, np.concatenate([slots, rows]), dtype)[None, None]
