@@ -20,10 +20,10 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from mtkc.ir.graph_utils import cleanup, replace_uses, toposort
-from mtkc.passes.rope import TABLE
+from mtkc.ir.constants import constant_of
+from mtkc.ir.graph_utils import cleanup, replace_uses
+from mtkc.rewrite.markers import ROPE_TABLE
 from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
-from mtkc.rewrite.pattern import constant_of
 
 NAME = "hidden_states"
 MODES = ("host-input", "cpu")
@@ -46,7 +46,7 @@ def find(graph: gs.Graph):
             table = constant_of(node.inputs[0])
             ids = _source(node.inputs[1], graph)
             if table is not None and len(table.shape) == 2 and ids is not None and ids.name != "position_ids" \
-                    and TABLE not in table.name:
+                    and ROPE_TABLE not in table.name:
                 sites.append((node, table, ids))
     return sites
 
@@ -98,7 +98,7 @@ class Embedding(Pass):
             self.lookups.append((ids.name, table, name))
             result.rewrites += 1
         if result.rewrites:
-            toposort(cleanup(graph))
+            cleanup(graph)
             used = {t.name for n in graph.nodes for t in n.inputs}
             graph.inputs = [t for t in graph.inputs if t.name in used or t.name not in {i for i, _, _ in self.lookups}]
         return result

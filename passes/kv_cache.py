@@ -50,8 +50,9 @@ import onnx_graphsurgeon as gs
 
 from mtkc.errors import InputError
 from mtkc.ir import shapes
-from mtkc.rewrite.pass_api import Context, NodeNames, Pass, PassResult, register
-from mtkc.rewrite.pattern import values_of
+from mtkc.ir.constants import values as values_of
+from mtkc.ir.graph_utils import Names as NodeNames
+from mtkc.rewrite.pass_api import Context, Pass, PassResult, register
 
 DEFAULT_SEQ_LEN = 128
 DEFAULT_CACHE_LEN = 512

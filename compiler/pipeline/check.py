@@ -19,7 +19,7 @@ import onnx_graphsurgeon as gs
 
 from mtkc.errors import InputError
 from mtkc.ir import shapes
-from mtkc.ir.graph_utils import toposort
+from mtkc.ir.toposort import toposort
 from mtkc.ir.model import Model
 from mtkc.rewrite.pass_api import Context
 from mtkc.target import capability
