@@ -25,10 +25,12 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from mtkc.ir import graph_utils as gu
+from mtkc.ir.toposort import toposort
+from mtkc.ir.constants import elements, ints, is_lazy, values
 from mtkc.rewrite.pass_api import Context, Pass, PassResult, register
 
 MAX_SWEEPS = 10
-HASH_BYTES = 1 << 20
+HASH_ELEMENTS = 1 << 18
 RESHAPE_LIKE = {"Reshape", "Squeeze", "Unsqueeze", "Flatten"}
 NONDETERMINISTIC = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli", "Dropout"}
 
@@ -57,7 +59,7 @@ class Cleanup(Pass):
             n = remove_noops(graph, ctx) + merge_pairs(graph, ctx) + dedupe_constants(graph, ctx) + cse(graph)
             detached = sum(1 for node in graph.nodes if not node.outputs)
             before = len(graph.nodes)
-            gu.toposort(gu.cleanup(graph))
+            toposort(gu.cleanup(graph))
             n += before - len(graph.nodes) - detached  # dead nodes
             if n == 0:
                 break
@@ -105,7 +107,7 @@ def _full_slice(node: gs.Node, ctx: Context) -> bool:
     shape = gu.static_shape(node.inputs[0])
     if shape is None or gu.static_shape(node.outputs[0]) != shape:
         return False
-    steps = gu.ints(node.inputs[4], ctx) if len(node.inputs) > 4 and not node.inputs[4].is_empty() else None
+    steps = ints(node.inputs[4], ctx.read_values) if len(node.inputs) > 4 and not node.inputs[4].is_empty() else None
     return steps is None or all(s == 1 for s in steps)
 
 
@@ -124,7 +126,7 @@ def remove_noops(graph: gs.Graph, ctx: Context) -> int:
 def merge_pairs(graph: gs.Graph, ctx: Context) -> int:
     """Transpose∘Transpose, lossless Cast∘Cast, reshape-like chains: one node (or none)."""
     n = 0
-    names = gu.Names(graph, "cleanup")
+    names = gu.Names(graph)
     for node in list(graph.nodes):
         if not node.outputs or not node.inputs or not _onnx(node):
             continue
@@ -177,20 +179,20 @@ def dedupe_constants(graph: gs.Graph, ctx: Context) -> int:
 
 
 def _constant_key(t: gs.Constant) -> tuple | None:
-    if gu.is_lazy(t):
+    if is_lazy(t):
         proto = t._values.tensor
         if proto.data_location == onnx.TensorProto.EXTERNAL:
             info = {e.key: e.value for e in proto.external_data}
             return ("ext", proto.data_type, tuple(proto.dims), info.get("location"), info.get("offset", "0"), info.get("length"))
-    if gu.nbytes(t) > HASH_BYTES:
+    if elements(t) > HASH_ELEMENTS:
         return None
-    v = gu.values(t)  # not ascontiguousarray: it turns a 0-d array into a 1-d one
+    v = values(t)  # not ascontiguousarray: it turns a 0-d array into a 1-d one
     return ("mem", v.dtype.str, v.shape, hashlib.sha1(v.tobytes()).hexdigest())
 
 
 def cse(graph: gs.Graph) -> int:
     """Nodes with the same op, domain, attributes and input tensors: keep the first."""
-    gu.toposort(graph)
+    toposort(graph)
     seen: dict[tuple, gs.Node] = {}
     n = 0
     outputs = {id(t) for t in graph.outputs}

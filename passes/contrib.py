@@ -10,7 +10,7 @@ onnxruntime's optimizer (and onnxscript's ort_fusions) fuse the tied lm_head int
 which no NeuroPilot table has, so the logits MatMul would run on the CPU. Emitted:
 
     A ─ [Transpose(permA)] ─┐
-                            MatMul ─ [Mul(alpha)] ─ Y      (Y keeps its name and consumers)
+                            MatMul ─ [Mul(alpha)] ─ Y      (replaces Y; a graph output keeps its name)
     B ─ [Transpose(permB)] ─┘
 
 A constant B (the [V, H] embedding table) leaves a `Transpose(W)` that `fold` then handles
@@ -24,8 +24,10 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from mtkc.ir import graph_utils as gu
-from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
+from mtkc.ir.graph_utils import dtype_of
+from mtkc.rewrite.pass_api import register
+from mtkc.rewrite.pattern import Refused
+from mtkc.rewrite.rules import Rule, RulePass
 
 MS = "com.microsoft"
 
@@ -44,65 +46,57 @@ def _rank(t: gs.Tensor) -> int | None:
     return len(t.shape) if t.shape is not None else None
 
 
-def _fused_matmul(graph: gs.Graph, node: gs.Node, names: gu.Names) -> str | None:
-    """Decompose one FusedMatMul in place; returns the refusal reason instead when it cannot."""
+def _perms(node: gs.Node) -> dict[int, list[int]]:
+    """{operand index: Transpose perm} for the transposed operands, or Refused."""
     a, b = node.inputs[0], node.inputs[1]
-    y = node.outputs[0]
     flag = {k: bool(node.attrs.get(k, 0)) for k in ("transA", "transB", "transBatchA", "transBatchB")}
-    alpha = float(node.attrs.get("alpha", 1.0))
     ranks = {"A": _rank(a), "B": _rank(b)}
     if flag["transBatchA"] or flag["transBatchB"]:
         if ranks["A"] is None or ranks["A"] != ranks["B"] or ranks["A"] < 3:
-            return f"transBatch needs A and B of one rank >= 3 (ranks {ranks['A']}, {ranks['B']})"
+            raise Refused(f"transBatch needs A and B of one rank >= 3 (ranks {ranks['A']}, {ranks['B']})")
     perms = {}
-    for side in ("A", "B"):
+    for i, side in enumerate("AB"):
         if not (flag[f"trans{side}"] or flag[f"transBatch{side}"]):
             continue
         if ranks[side] is None or ranks[side] < 2:
-            return f"trans{side} on operand {side} of {'unknown rank' if ranks[side] is None else f'rank {ranks[side]}'}"
-        perms[side] = permutation(ranks[side], flag[f"trans{side}"], flag[f"transBatch{side}"])
-    dtype = gu.dtype_of(y) or gu.dtype_of(a)
-    if alpha != 1.0 and (dtype is None or dtype.kind != "f"):
-        return f"alpha={alpha} and no float dtype known for '{y.name}'"
-
-    def transposed(x: gs.Tensor, side: str) -> gs.Tensor:
-        if side not in perms:
-            return x
-        shape = None if x.shape is None else [x.shape[i] for i in perms[side]]
-        return gu.add_node(graph, names, node, "Transpose", [x], dtype=x.dtype, shape=shape,
-                           attrs={"perm": perms[side]}, suffix=f"transpose_{side}")
-
-    inputs = [transposed(a, "A"), transposed(b, "B")]
-    node.outputs.clear()
-    if alpha != 1.0:
-        product = gu.add_node(graph, names, node, "MatMul", inputs, dtype=y.dtype, shape=y.shape)
-        scale = gu.make_constant(names.new(f"{node.name}/alpha"), alpha, dtype)
-        graph.nodes.append(gs.Node("Mul", names.node(node, "Mul"), inputs=[product, scale], outputs=[y]))
-    else:
-        graph.nodes.append(gs.Node("MatMul", names.node(node, "MatMul"), inputs=inputs, outputs=[y]))
-    node.inputs.clear()
-    return None
+            raise Refused(f"trans{side} on operand {side} of "
+                          f"{'unknown rank' if ranks[side] is None else f'rank {ranks[side]}'}")
+        perms[i] = permutation(ranks[side], flag[f"trans{side}"], flag[f"transBatch{side}"])
+    return perms
 
 
-DECOMPOSE = {"FusedMatMul": _fused_matmul}
+class FusedMatMul(Rule):
+    anchor, sites = (f"{MS}::FusedMatMul",), "FusedMatMul"
+
+    def done(self, ctx, m):
+        return ctx.table is not None and ctx.table.has_op(MS, "FusedMatMul")
+
+    def check(self, ctx, m):
+        node = m["node"]
+        _perms(node)
+        alpha, dtype = float(node.attrs.get("alpha", 1.0)), dtype_of(node.outputs[0]) or dtype_of(node.inputs[0])
+        if alpha != 1.0 and (dtype is None or dtype.kind != "f"):
+            raise Refused(f"alpha={alpha} and no float dtype known for '{node.outputs[0].name}'")
+
+    def rewrite(self, op, ctx, m):
+        node = m["node"]
+        perms, y = _perms(node), node.outputs[0]
+        inputs = []
+        for i, x in enumerate(node.inputs[:2]):
+            if i in perms:
+                shape = None if x.shape is None else [x.shape[p] for p in perms[i]]
+                x = op.Transpose(x, perm=perms[i], _dtype=x.dtype, _shape=shape)
+            inputs.append(x)
+        product = op.MatMul(*inputs, _dtype=y.dtype, _shape=y.shape)
+        alpha = float(node.attrs.get("alpha", 1.0))
+        if alpha != 1.0:
+            dtype = dtype_of(y) or dtype_of(node.inputs[0])
+            product = op.Mul(product, op.const("alpha", np.array(alpha, dtype)), _dtype=y.dtype, _shape=y.shape)
+        return [(y, product)]
 
 
 @register
-class ContribOps(Pass):
+class ContribOps(RulePass):
     name = "contrib-ops"
     description = "com.microsoft ops the SDK table lacks (FusedMatMul) -> ONNX ops (MatMul, Transpose, Mul)"
-
-    def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
-        result = PassResult()
-        sites = [n for n in graph.nodes if n.domain == MS and n.op in DECOMPOSE
-                 and not (ctx.table is not None and ctx.table.has_op(MS, n.op))]
-        if not sites:
-            return result
-        names = gu.Names(graph, self.name)
-        for node in sites:
-            why = DECOMPOSE[node.op](graph, node, names)
-            if why is None:
-                result.rewrites += 1
-            else:
-                result.misses.append(Miss(node.name, why))
-        return result
+    rules = (FusedMatMul(),)

@@ -28,6 +28,8 @@ import onnx_graphsurgeon as gs
 
 from mtkc.ir import execute, shapes
 from mtkc.ir import graph_utils as gu
+from mtkc.ir.constants import is_lazy
+from mtkc.ir.toposort import toposort
 from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 
 FOLD_MAX_ELEMENTS = 1 << 20
@@ -117,7 +119,7 @@ def fold_shapes(graph: gs.Graph, misses: list[Miss]) -> int:
 
 def fold_subgraphs(graph: gs.Graph, ctx: Context, misses: list[Miss]) -> int:
     """Every node whose inputs are all constant (or folded) and whose outputs fit the policy."""
-    gu.toposort(graph)
+    toposort(graph)
     outputs = {t.name for t in graph.outputs}
     known: set[str] = set()
     foldable: list[gs.Node] = []
@@ -125,7 +127,7 @@ def fold_subgraphs(graph: gs.Graph, ctx: Context, misses: list[Miss]) -> int:
         ins = [t for t in node.inputs if not t.is_empty()]
         if not ins or not _onnx(node) or node.op in NEVER_FOLD:
             continue
-        if not all(gu.is_const(t) or t.name in known for t in ins):
+        if not all(isinstance(t, gs.Constant) or t.name in known for t in ins):
             continue
         reason = _refusal(node, outputs)
         if reason:
@@ -171,9 +173,9 @@ def _refusal(node: gs.Node, outputs: set[str]) -> str | None:
         if size <= FOLD_MAX_ELEMENTS:
             continue
         src = node.inputs[0]
-        if node.op == "Transpose" and gu.is_const(src) and gu.is_lazy(src):
+        if node.op == "Transpose" and isinstance(src, gs.Constant) and is_lazy(src):
             return f"Transpose of weight '{src.name}' ({size} elements) kept: folding would read it and store it twice"
-        if node.op in RELAYOUT_OPS and gu.is_const(src) and int(np.prod(src.shape, dtype=np.int64)) == size:
+        if node.op in RELAYOUT_OPS and isinstance(src, gs.Constant) and int(np.prod(src.shape, dtype=np.int64)) == size:
             continue
         return f"output '{out.name}' has {size} elements (> {FOLD_MAX_ELEMENTS}) and is not a relayout of one constant"
     return None
@@ -193,7 +195,7 @@ def _run_each(graph: gs.Graph, nodes: list[gs.Node], ctx: Context, misses: list[
     for node in nodes:
         ins = []
         for t in node.inputs:
-            if t.is_empty() or gu.is_const(t):
+            if t.is_empty() or isinstance(t, gs.Constant):
                 ins.append(gs.Variable.empty() if t.is_empty() else gs.Constant(t.name, t._values))
             elif t.name in values:
                 ins.append(gs.Constant(t.name, values[t.name]))

@@ -27,6 +27,8 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from mtkc.ir import graph_utils as gu
+from mtkc.ir.constants import values
+from mtkc.rewrite.builder import Emit
 from mtkc.ir import shapes
 from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 
@@ -59,7 +61,7 @@ class Int64ToInt32(Pass):
 
     def run(self, graph, ctx: Context) -> PassResult:
         result = PassResult()
-        names = gu.Names(graph, self.name)
+        names = gu.Names(graph)
         int64_outputs = [t for t in graph.outputs if _is_i64(t)]
         for t in graph.inputs:
             if _is_i64(t):
@@ -74,8 +76,8 @@ class Int64ToInt32(Pass):
                 result.rewrites += 1
             elif node.op == "ConstantOfShape" and isinstance(node.attrs.get("value"), gs.Constant):
                 value = node.attrs["value"]
-                if gu.dtype_of(value) == np.int64 and _fits(gu.values(value, ctx)):
-                    node.attrs["value"] = gs.Constant(value.name, gu.values(value, ctx).astype(np.int32))
+                if gu.dtype_of(value) == np.int64 and _fits(values(value, ctx.read_values)):
+                    node.attrs["value"] = gs.Constant(value.name, values(value, ctx.read_values).astype(np.int32))
                     result.rewrites += 1
         result.rewrites += _cast_int64_outputs(graph, names, result.misses)
         shapes.infer(graph, ctx.root)
@@ -115,7 +117,7 @@ def _convert_constants(graph: gs.Graph, ctx: Context, names: gu.Names, misses: l
             clamp = node.op in CLAMP_OPS
             key = (id(t), clamp)
             if key not in done:
-                v = gu.values(t, ctx)
+                v = values(t, ctx.read_values)
                 if clamp:
                     v = np.clip(v, I32.min, I32.max)
                 done[key] = gs.Constant(names.new(f"{t.name}/i32"), np.asarray(v, dtype=np.int32)) if _fits(v) else None
@@ -139,8 +141,7 @@ def _cast_int64_outputs(graph: gs.Graph, names: gu.Names, misses: list[Miss]) ->
             if not data_uses:
                 continue
             misses.append(Miss(node.name, f"{node.op} output '{out.name}' is int64 by definition; cast to int32 after it"))
-            cast = gu.add_node(graph, names, node, "Cast", [out], dtype=np.int32, shape=out.shape,
-                               attrs={"to": onnx.TensorProto.INT32})
+            cast = Emit(graph, node.name).Cast(out, to=onnx.TensorProto.INT32, _dtype=np.int32, _shape=out.shape)
             for c, i in data_uses:
                 c.inputs[i] = cast
             n += 1
@@ -154,8 +155,7 @@ def _restore_int64_slots(graph: gs.Graph, names: gu.Names, misses: list[Miss]) -
         for i, t in enumerate(node.inputs):
             if int64_slot(node, i) and isinstance(t, gs.Variable) and not t.is_empty() and not _is_i64(t):
                 misses.append(Miss(node.name, f"runtime operand '{t.name}' of {node.op} must be int64 (only constants fold away)"))
-                node.inputs[i] = gu.add_node(graph, names, node, "Cast", [t], dtype=np.int64, shape=t.shape,
-                                             attrs={"to": onnx.TensorProto.INT64}, suffix=f"Cast{i}")
+                node.inputs[i] = Emit(graph, node.name).Cast(t, to=onnx.TensorProto.INT64, _dtype=np.int64, _shape=t.shape)
                 n += 1
     return n
 

@@ -52,9 +52,10 @@ from mtkc.contract import exporters, io
 from mtkc.contract import mask as contract_mask
 from mtkc.errors import InputError
 from mtkc.ir import shapes
+from mtkc.ir.constants import values as values_of
+from mtkc.ir.graph_utils import Names as NodeNames
 from mtkc.options import Options
-from mtkc.rewrite.pass_api import Context, NodeNames, Pass, PassResult, register
-from mtkc.rewrite.pattern import values_of
+from mtkc.rewrite.pass_api import Context, Pass, PassResult, register
 
 DEFAULT_SEQ_LEN = layouts.DEFAULT_SEQ_LEN
 DEFAULT_CACHE_LEN = layouts.DEFAULT_CACHE_LEN

@@ -18,6 +18,8 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from mtkc.ir import graph_utils as gu
+from mtkc.ir.constants import is_lazy, scalar
+from mtkc.rewrite.builder import Emit
 from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 
 BROADCAST_OPS = {"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Mod", "Equal", "Less", "LessOrEqual", "Greater",
@@ -37,15 +39,14 @@ class Legalize(Pass):
 
     def run(self, graph, ctx: Context) -> PassResult:
         result = PassResult()
-        names = gu.Names(graph, self.name)
-        minus_ones: dict[tuple, gs.Constant] = {}
+        names = gu.Names(graph)
         for node in list(graph.nodes):
             if node.domain not in (None, "", "ai.onnx") or not node.outputs:
                 continue
             if node.op == "Neg":
-                result.rewrites += _neg(node, names, minus_ones)
+                result.rewrites += _neg(graph, node)
             elif node.op == "Pow":
-                result.rewrites += _pow(node, ctx, names, result.misses)
+                result.rewrites += _pow(node, ctx, result.misses)
         reshaped: dict[tuple, gs.Tensor] = {}
         for node in list(graph.nodes):
             if node.op in BROADCAST_OPS and node.domain in (None, "", "ai.onnx"):
@@ -57,26 +58,22 @@ class Legalize(Pass):
         return result
 
 
-def _neg(node: gs.Node, names: gu.Names, minus_ones: dict) -> int:
+def _neg(graph: gs.Graph, node: gs.Node) -> int:
     x = node.inputs[0]
-    dtype = gu.dtype_of(x)
-    if dtype is None or x.shape is None:
+    if gu.dtype_of(x) is None or x.shape is None:
         return 0
-    key = (dtype.str, len(x.shape))
-    if key not in minus_ones:
-        minus_ones[key] = gu.make_constant(names.new(f"{node.name}/minus_one"), np.full([1] * len(x.shape), -1, dtype))
-    node.op = "Mul"
-    node.inputs.append(minus_ones[key])
+    gu.replace_uses(graph, node.outputs[0], Emit(graph, node.name).negate(x))
+    node.outputs.clear()
     return 1
 
 
-def _pow(node: gs.Node, ctx: Context, names: gu.Names, misses: list[Miss]) -> int:
-    exponent = gu.small_values(node.inputs[1], ctx)
-    if exponent is None or exponent.size != 1:
+def _pow(node: gs.Node, ctx: Context, misses: list[Miss]) -> int:
+    exponent = scalar(node.inputs[1], ctx.read_values)
+    if exponent is None:
         misses.append(Miss(node.name, "exponent is not a constant scalar"))
         return 0
-    if float(exponent.reshape(-1)[0]) != 2.0:
-        misses.append(Miss(node.name, f"exponent {float(exponent.reshape(-1)[0])} is not 2"))
+    if exponent != 2.0:
+        misses.append(Miss(node.name, f"exponent {exponent} is not 2"))
         return 0
     x = node.inputs[0]
     node.op = "Mul"
@@ -98,12 +95,11 @@ def _equal_rank(graph: gs.Graph, node: gs.Node, names: gu.Names, reshaped: dict,
         key = (id(t), rank)
         if key in reshaped:
             node.inputs[i] = reshaped[key]
-        elif gu.is_const(t):
+        elif isinstance(t, gs.Constant):
             node.inputs[i] = reshaped[key] = reshaped_constant(t, shape, names)
         elif gu.static_shape(t) is not None:
-            const = gu.make_constant(names.new(f"{node.name}/rank{rank}"), shape, np.int64)
-            node.inputs[i] = reshaped[key] = gu.add_node(graph, names, node, "Reshape", [t, const], dtype=t.dtype,
-                                                         shape=shape, suffix=f"Reshape{i}")
+            op = Emit(graph, node.name)
+            node.inputs[i] = reshaped[key] = op.Reshape(t, op.ints(f"rank{rank}", *shape), _dtype=t.dtype, _shape=shape)
         else:
             misses.append(Miss(node.name, f"operand '{t.name}' has rank {len(t.shape)} < {rank} and no static shape"))
             continue
@@ -114,7 +110,7 @@ def _equal_rank(graph: gs.Graph, node: gs.Node, names: gu.Names, reshaped: dict,
 def reshaped_constant(t: gs.Constant, shape: list[int], names: gu.Names) -> gs.Constant:
     """A constant with the same bytes and a new shape; a lazy (external) one is not read."""
     name = names.new(f"{t.name}/r{len(shape)}")
-    if gu.is_lazy(t):
+    if is_lazy(t):
         proto = onnx.TensorProto()
         proto.CopyFrom(t._values.tensor)
         del proto.dims[:]
@@ -126,10 +122,11 @@ def reshaped_constant(t: gs.Constant, shape: list[int], names: gu.Names) -> gs.C
 
 def _gemm(graph: gs.Graph, add: gs.Node, ctx: Context, misses: list[Miss]) -> int:
     matmul_out, bias = add.inputs
-    if gu.is_const(matmul_out):
+    if isinstance(matmul_out, gs.Constant):
         matmul_out, bias = bias, matmul_out
     producer = matmul_out.inputs[0] if len(matmul_out.inputs) == 1 else None
-    if producer is None or producer.op != "MatMul" or not gu.is_const(bias) or not gu.is_const(producer.inputs[1]):
+    if producer is None or producer.op != "MatMul" or not isinstance(bias, gs.Constant) \
+            or not isinstance(producer.inputs[1], gs.Constant):
         return 0
     a, w = producer.inputs
     if a.shape is None or len(a.shape) != 2:

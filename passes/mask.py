@@ -26,10 +26,12 @@ import onnx_graphsurgeon as gs
 
 from mtkc.contract import io
 from mtkc.contract import mask as contract_mask
-from mtkc.ir.graph_utils import cleanup, replace_uses, toposort
-from mtkc.passes.attention import drop, row_guards
+from mtkc.ir.constants import values as small_values
+from mtkc.ir.graph_utils import cleanup, replace_uses
+from mtkc.ir.toposort import toposort
+from mtkc.rewrite.builder import Emit
+from mtkc.rewrite.guards import drop, row_guards
 from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
-from mtkc.rewrite.pattern import Emit, small_values
 
 NAME = io.ATTENTION_MASK
 

@@ -22,6 +22,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from mtkc.ir import graph_utils as gu
+from mtkc.ir.constants import ints
 from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 
 TARGET = 17
@@ -48,7 +49,7 @@ class Opset17(Pass):
             result.rewrites = 1
             result.notes.append(f"opset raised to {TARGET}")
             return result
-        names = gu.Names(graph, self.name)
+        names = gu.Names(graph)
         for node in list(graph.nodes):
             if node.domain not in (None, "", "ai.onnx"):
                 continue
@@ -81,7 +82,7 @@ def _lower(graph: gs.Graph, node: gs.Node, ctx: Context, names: gu.Names):
     if op == "Split" and "num_outputs" in node.attrs:
         return _split(node, names)
     if op == "Reshape" and node.attrs.get("allowzero", 0) == 1:
-        shape = gu.ints(node.inputs[1], ctx)
+        shape = ints(node.inputs[1], ctx.read_values)
         if shape is None:
             return "allowzero=1 with a non-constant shape"
         if 0 in shape:
@@ -119,7 +120,7 @@ def _reduce(node: gs.Node, ctx: Context):
         if noop:
             node.op, node.attrs = "Identity", {}
         return True if noop else None
-    axes = gu.ints(node.inputs[1], ctx)
+    axes = ints(node.inputs[1], ctx.read_values)
     if axes is None:
         node.attrs["noop_with_empty_axes"] = noop
         return "axes input is not a constant"
@@ -132,7 +133,7 @@ def _reduce(node: gs.Node, ctx: Context):
 
 
 def _pad(node: gs.Node, ctx: Context, names: gu.Names):
-    axes, pads = gu.ints(node.inputs[3], ctx), gu.ints(node.inputs[1], ctx)
+    axes, pads = ints(node.inputs[3], ctx.read_values), ints(node.inputs[1], ctx.read_values)
     shape = node.inputs[0].shape
     if axes is None or pads is None or shape is None:
         return "Pad axes/pads are not constants or the rank is unknown"

@@ -23,6 +23,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.ir import graph_utils as gu
+from mtkc.ir.constants import ints, values
+from mtkc.rewrite.builder import Emit
 from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 
 ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Where", "Max", "Min", "Equal", "Less", "LessOrEqual", "Greater",
@@ -40,7 +42,7 @@ class Rank4(Pass):
 
     def run(self, graph, ctx: Context) -> PassResult:
         result = PassResult()
-        names = gu.Names(graph, self.name)
+        names = gu.Names(graph)
         io = {id(t) for t in (*graph.inputs, *graph.outputs)}
         seen: set[int] = set()
         for t in list(graph.tensors().values()):
@@ -97,7 +99,7 @@ class Region:
             if kind is None:
                 self.culprit = node.name
                 return f"{node.op} on a rank-{r} tensor has no rank-4 rule"
-            if kind in ("expand", "tile") and gu.ints(node.inputs[1]) is None:
+            if kind in ("expand", "tile") and ints(node.inputs[1]) is None:
                 self.culprit = node.name
                 return f"{node.op} with a non-constant shape operand"
         return None
@@ -134,7 +136,7 @@ class Region:
             return True
         out = gu.static_shape(node.outputs[0])
         if kind == "tile":
-            reps, x = gu.ints(node.inputs[1]), _aligned(node.inputs[0], len(out))
+            reps, x = ints(node.inputs[1]), _aligned(node.inputs[0], len(out))
             return reps[i + 1] == 1 or x[i] == 1
         for t in (node.inputs[:1] if kind == "expand" else node.inputs):
             x = _aligned(t, len(out))
@@ -158,13 +160,13 @@ class Region:
             elif kind == "expand":
                 node.inputs[1] = gu.make_constant(names.new(f"{node.name}/shape"), _merged(gu.static_shape(out), i), np.int64)
             elif kind == "tile":
-                reps = gu.ints(node.inputs[1])
+                reps = ints(node.inputs[1])
                 merged = reps[:i] + [reps[i] * reps[i + 1]] + reps[i + 2:]
                 node.inputs[1] = gu.make_constant(names.new(f"{node.name}/repeats"), merged, np.int64)
             elif kind == "elementwise":
                 rank = len(out.shape)
                 for k, t in enumerate(node.inputs):
-                    if gu.is_const(t) or not _high(t):
+                    if isinstance(t, gs.Constant) or not _high(t):
                         node.inputs[k] = _lowered_operand(self.graph, t, rank, i, node, names)
         for t in self.tensors:
             t.shape = list(_merged(gu.static_shape(t), i))
@@ -185,7 +187,7 @@ def _region(graph: gs.Graph, start: gs.Tensor) -> Region:
             seen_n.add(id(node))
             region.nodes.append(node)
             for x in [*node.inputs, *node.outputs]:
-                if _high(x) and not gu.is_const(x) and id(x) not in seen_t:
+                if _high(x) and not isinstance(x, gs.Constant) and id(x) not in seen_t:
                     stack.append(x)
     return region
 
@@ -214,10 +216,10 @@ def _lowered_operand(graph: gs.Graph, t: gs.Tensor, rank: int, i: int, node: gs.
     reach its own (not broadcast-padded) axes.
     """
     aligned = _aligned(t, rank)
-    if gu.is_const(t):
-        return gu.make_constant(names.new(f"{t.name}/rank4"), gu.values(t).reshape(_merged(aligned, i)))
+    if isinstance(t, gs.Constant):
+        return gu.make_constant(names.new(f"{t.name}/rank4"), values(t).reshape(_merged(aligned, i)))
     if i < rank - len(t.shape):
         return t
     shape = _merged(aligned, i)
-    const = gu.make_constant(names.new(f"{node.name}/operand_shape"), shape, np.int64)
-    return gu.add_node(graph, names, node, "Reshape", [t, const], dtype=t.dtype, shape=shape)
+    op = Emit(graph, node.name)
+    return op.Reshape(t, op.ints("operand_shape", *shape), _dtype=t.dtype, _shape=shape)

@@ -360,5 +360,8 @@ def test_op_level_reasons_on_every_sdk():
 
 
 def test_remedy_marks_unregistered_passes_as_planned():
-    assert capability.remedy_text(("no-such-pass",), "8.0", "a hint") == "pass no-such-pass (planned); --sdk 8.0; a hint"
+    known = frozenset({"rope"})
+    assert capability.remedy_text(("no-such-pass", "rope"), "8.0", "a hint", known) == \
+        "pass no-such-pass (planned); pass rope; --sdk 8.0; a hint"
+    assert capability.remedy_text(("no-such-pass",), None) == "pass no-such-pass"  # no registry given: no marking
     assert capability.remedy_text((), None) == "CPU fallback"

@@ -21,9 +21,10 @@ from onnx import numpy_helper as nh
 from mtkc.ir.execute import run
 from mtkc.ir.model import load
 from mtkc.manager.pass_manager import load_registry, resolve_pipeline, run_pipeline
-from mtkc.passes import attention, embedding, mask, rmsnorm, rope, swiglu
+from mtkc.passes import attention, attention_fused, embedding, mask, rmsnorm, rope, rope_fused, swiglu
 from mtkc.rewrite.pass_api import Context
 from mtkc.rewrite.pattern import Const, Op, Or, Var, match, near
+from mtkc.rewrite.rules import find
 from mtkc.target.capability import load_table
 
 LAYERS = 2
@@ -115,12 +116,13 @@ def _fused(graph, ops):
 def test_sites_per_exporter(exported, family, exporter, cache):
     model = load(exported(family, exporter, cache))
     graph = model.graph
-    norms = len(rmsnorm.find(graph)[0]) + _fused(graph, {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization",
-                                                         "RMSNormalization"})
-    ropes = len(rope.find(graph)[0]) + _fused(graph, {"RotaryEmbedding"})
-    attentions = len(attention.find(graph)[0]) + _fused(graph, {"MultiHeadAttention", "Attention"})
-    assert (norms, ropes, len(swiglu.find(graph)[0]), attentions) == (2 * LAYERS + 1, 2 * LAYERS, LAYERS, LAYERS)
-    assert not any(m.find(graph)[1] for m in (rmsnorm, rope, swiglu, attention))
+    rules = {"rmsnorm": (rmsnorm.Decomposed(), rmsnorm.Fused()), "rope": (rope.RotateHalf(), rope_fused.FusedRotary()),
+             "swiglu": (swiglu.Gated(),), "attention": (attention.Scores(), attention_fused.FusedAttention())}
+    found = {name: [find(rule, graph) for rule in group] for name, group in rules.items()}
+    sites = {name: sum(len(s) for s, _ in results) for name, results in found.items()}
+    assert sites == {"rmsnorm": 2 * LAYERS + 1, "rope": 2 * LAYERS, "swiglu": LAYERS, "attention": LAYERS}
+    assert {name: [m for _, misses in results for m in misses] for name, results in found.items()} == \
+        {name: [] for name in rules}
 
 
 # -- the full pipeline ---------------------------------------------------------------------------

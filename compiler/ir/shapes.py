@@ -24,9 +24,10 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx
 from onnx_graphsurgeon.importers.onnx_importer import get_onnx_tensor_dtype, get_onnx_tensor_shape
 
-from mtkc.ir import graph_utils as gu
+from mtkc.ir import constants
+from mtkc.ir.toposort import topo_order
 
-INLINE_BYTES = gu.SMALL_BYTES
+INLINE_ELEMENTS = 128  # constants copied into the shape-inference model (shape operands)
 log = logging.getLogger(__name__)
 
 
@@ -106,7 +107,7 @@ def stripped_proto(graph: gs.Graph, root: Path | None = None) -> onnx.ModelProto
         else:
             typed_input(t.name, t)
 
-    for node in gu.topo_order(graph):
+    for node in topo_order(graph):
         value = node.attrs.get("value")
         if node.op == "Constant" and _is_onnx(node) and isinstance(value, gs.Constant) and not _inline(value):
             if node.outputs:
@@ -149,9 +150,7 @@ def _opset_imports(graph: gs.Graph) -> list:
 
 
 def _inline(t: gs.Constant) -> bool:
-    if gu.nbytes(t) > INLINE_BYTES:
-        return False
-    return not (gu.is_lazy(t) and t._values.tensor.data_location == onnx.TensorProto.EXTERNAL)
+    return constants.elements(t) <= INLINE_ELEMENTS and not constants.is_external(t)
 
 
 def _is_onnx(node: gs.Node) -> bool:

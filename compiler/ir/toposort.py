@@ -1,4 +1,5 @@
-"""Kahn's algorithm over nodes numbered 0..n-1: the cycle checks at load and after every pass.
+"""Topological order and cycle finding: the one implementation, for graphsurgeon graphs and for
+nodes numbered 0..n-1 (the ONNX proto checks at load).
 
 `successors[i]` lists the nodes that read an output of node i (an edge may repeat).
 """
@@ -7,6 +8,18 @@ from __future__ import annotations
 
 from collections import deque
 from typing import Sequence
+
+import onnx_graphsurgeon as gs
+
+from mtkc.ir.graph_utils import plain
+
+
+class CycleError(Exception):
+    """The graph has a cycle; `node` lies on it."""
+
+    def __init__(self, node: gs.Node):
+        super().__init__(f"the graph has a cycle through node '{node.name or node.op}'")
+        self.node = node
 
 
 def kahn_order(successors: Sequence[Sequence[int]]) -> list[int]:
@@ -46,3 +59,66 @@ def cycle_node(successors: Sequence[Sequence[int]]) -> int | None:
         seen.add(i)
         i = min(preds[i])
     return i
+
+
+def successors(graph: gs.Graph) -> list[list[int]]:
+    """`successors[i]`: indices of the nodes of `graph` reading an output of node i."""
+    index = {id(n): i for i, n in enumerate(graph.nodes)}
+    succ: list[list[int]] = [[] for _ in graph.nodes]
+    for i, node in enumerate(graph.nodes):
+        for t in node.inputs:
+            for p in t.inputs:
+                if id(p) in index:
+                    succ[index[id(p)]].append(i)
+    return succ
+
+
+def topo_order(graph: gs.Graph) -> list[gs.Node]:
+    """The node order graphsurgeon's `Graph.toposort()` gives (depth from the inputs, ties in its
+    first-visit order), in linear time; the graph is not changed. Producers outside `graph.nodes`
+    are ignored. Raises CycleError naming a node on a cycle."""
+    members = {id(n) for n in graph.nodes}
+
+    def producers(node: gs.Node):
+        for t in node.inputs:
+            for p in t.inputs:
+                if id(p) in members:
+                    yield p
+
+    level: dict[int, int] = {}
+    visited: list[gs.Node] = []  # post-order: graphsurgeon's insertion order
+    for root in graph.nodes:
+        if id(root) in level:
+            continue
+        stack = [(root, producers(root), [-1])]
+        on_path = {id(root)}
+        while stack:
+            node, pending, deepest = stack[-1]
+            for p in pending:
+                if id(p) in level:
+                    deepest[0] = max(deepest[0], level[id(p)])
+                    continue
+                if id(p) in on_path:
+                    raise CycleError(graph.nodes[cycle_node(successors(graph))])
+                on_path.add(id(p))
+                stack.append((p, producers(p), [-1]))
+                break
+            else:
+                stack.pop()
+                on_path.discard(id(node))
+                level[id(node)] = deepest[0] + 1
+                visited.append(node)
+                if stack:
+                    parent = stack[-1][2]
+                    parent[0] = max(parent[0], level[id(node)])
+    return sorted(visited, key=lambda n: level[id(n)])
+
+
+def toposort(graph: gs.Graph) -> gs.Graph:
+    """Sort `graph.nodes` topologically (graphsurgeon's own sort for graphs with subgraphs/functions)."""
+    if not plain(graph):
+        if (i := cycle_node(successors(graph))) is not None:
+            raise CycleError(graph.nodes[i])
+        return graph.toposort()
+    graph.nodes = topo_order(graph)
+    return graph

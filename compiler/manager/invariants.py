@@ -18,18 +18,17 @@ from numbers import Integral
 import onnx_graphsurgeon as gs
 
 from mtkc.errors import MtkcError, PassError
-from mtkc.ir.graph_utils import Names, cleanup, toposort
-from mtkc.ir.toposort import cycle_node
+from mtkc.ir.graph_utils import Names, cleanup
+from mtkc.ir.toposort import CycleError, toposort
 
 
 def restore(graph: gs.Graph, pass_name: str | None = None, error: type[MtkcError] = PassError) -> None:
     """Cleanup, cycle check, toposort and node naming after a pass (None: the input model)."""
     cleanup(graph)
     try:
-        toposort(graph)  # raises on a cycle, without naming a node on it
-    except Exception:
-        _check_acyclic(graph, _stage(pass_name), error)  # names one
-        raise
+        toposort(graph)
+    except CycleError as exc:
+        raise error(f"{_stage(pass_name)}: {exc}") from None
     name_nodes(graph, pass_name)
 
 
@@ -38,7 +37,7 @@ def name_nodes(graph: gs.Graph, prefix: str | None) -> int:
     given = [n.name for n in graph.nodes]
     if all(given) and len(set(given)) == len(given):
         return 0  # the common case, without building `Names` (it collects every tensor name)
-    names = Names(graph, prefix or "")
+    names = Names(graph)
     seen: set[str] = set()
     renamed = 0
     for node in graph.nodes:
@@ -108,20 +107,6 @@ def check(
 
 def _stage(pass_name: str | None) -> str:
     return f"pass '{pass_name}'" if pass_name else "input model"
-
-
-def _check_acyclic(graph: gs.Graph, stage: str, error: type[MtkcError]) -> None:
-    """Names a node on a cycle, if there is one."""
-    index = {id(n): i for i, n in enumerate(graph.nodes)}
-    consumers: list[list[int]] = [[] for _ in graph.nodes]
-    for i, node in enumerate(graph.nodes):
-        for t in node.inputs:
-            if t.inputs and id(t.inputs[0]) in index:
-                consumers[index[id(t.inputs[0])]].append(i)
-    i = cycle_node(consumers)
-    if i is not None:
-        node = graph.nodes[i]
-        raise error(f"{stage}: the graph has a cycle through node '{node.name or node.op}'")
 
 
 def _tensors(graph: gs.Graph):

@@ -44,6 +44,7 @@ from mtkc.errors import InputError, MismatchError
 from mtkc.ir.compare import compare
 from mtkc.ir.execute import session
 from mtkc.pipeline.oracle import NEW_TOKENS, Generation, Original, compare_generation, prompts
+from mtkc.runtime.generate import Generator
 
 DYNAMIC_SEQ = 8  # tokens per sample when the compiled graph leaves the sequence length open
 
@@ -358,8 +359,6 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
 def run_oracle(out: Path, manifest: dict, reference, new_tokens: int, skipped: list[str],
                atol: float, rtol: float, min_cosine: float) -> list[Generation]:
     """The oracle's generations (see `mtkc.pipeline.oracle`); why it could not run goes to `skipped`."""
-    from mtkc.runtime.generate import Generator
-
     names = {g["name"] for g in manifest.get("graphs", [])}
     if new_tokens <= 0:
         return []

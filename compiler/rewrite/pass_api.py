@@ -14,11 +14,14 @@ condition, so `mtkc compile --explain PASS` can say why without reading code.
             ...
             return PassResult(rewrites=n, misses=[Miss(node.name, "Bar has two consumers")])
 
+Most passes are rewrite rules instead (`mtkc.rewrite.rules`: anchor, pattern, check, rewrite),
+and the rule driver fills in `PassResult`.
+
 The pass manager owns the graph's invariants: after `run` it removes dead nodes, sorts
 topologically, names unnamed/duplicate nodes `<pass>/<op or old name>`, re-infers shapes when
 a pass left new tensors untyped, and checks that no tensor dangles and every tensor is typed
-(static once shapes are bound). Name new nodes with `mtkc.ir.graph_utils.Names` (or
-`unique_name(graph, base)` for one) to keep names readable.
+(static once shapes are bound). Build new nodes with `mtkc.rewrite.builder.Emit` (or name them
+with `mtkc.ir.graph_utils.Names`) to keep names readable.
 
 A pass that changes the graph's I/O contract (a mask/RoPE/KV-cache normalisation replaces
 inputs or outputs) overrides `map_feeds` / `map_outputs`, so `--verify-each` can feed the
@@ -38,7 +41,6 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.errors import PassError
-from mtkc.ir.graph_utils import Names
 from mtkc.options import Options
 from mtkc.options import of as options_of
 from mtkc.rewrite.table import CapabilityTable
@@ -157,14 +159,3 @@ def collecting(origin: str) -> Iterator[dict[str, type[Pass]]]:
     finally:
         _sink, _origin = saved
 
-
-class NodeNames(Names):
-    """Fresh names in `graph`: `new(base)` gives `base`, then `base/1`, `base/2`, ..."""
-
-    def __init__(self, graph: gs.Graph):
-        super().__init__(graph, "")
-
-
-def unique_name(graph: gs.Graph, base: str) -> str:
-    """A node name not used in `graph` (one scan; use `NodeNames` when naming many nodes)."""
-    return NodeNames(graph).new(base)

@@ -1,15 +1,17 @@
 """A small declarative subgraph matcher over graphsurgeon graphs, with reasons for misses.
 
-A pattern is written as the ops it is made of, matched upward from the tensor it produces:
+A pattern is written as the ops it is made of, matched upward from the tensor it produces, with
+the same builder that emits replacement nodes (`mtkc.rewrite.builder`: `op.Mul(a, b)`):
 
     x = Var("x")
-    square = Or(Op("Pow", x, Const(value=2.0)), Op("Mul", x, x))
-    pattern = Op("ReduceMean", square, ...)
+    square = Or(op.Pow(x, Const(value=2.0)), op.Mul(x, x))
+    pattern = op.ReduceMean(square, ...)
 
-* `Op(type, *inputs, attrs=..., name=...)`: a node of that type whose inputs match, in order;
+* `Op(type, *inputs, attrs=..., name=...)` (what `op.<type>(...)` builds): a node of that type whose inputs match, in order;
   `Add`/`Mul`/`Max`/`Min`/`And`/`Or` with two inputs also match with the inputs swapped.
 * `Var(name)`: any tensor; the same name must bind the same tensor (so `Mul(x, x)` means square).
 * `Const(name, value=, check=)`: a constant (initializer or `Constant` node), optionally with a value.
+* Conditions (`check=` of Var, Const and Op) raise `Refused(reason)`; the reason becomes the miss.
 * `Or(*alternatives)`, `Opt(type, inner)` (an optional op such as a Cast around `inner`).
 
 `match(pattern, tensor)` returns a `Match`: on success its bindings (`m["x"]`, `m.value("eps")`)
@@ -27,42 +29,24 @@ from typing import Any, Callable
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from mtkc.ir.graph_utils import Names
+from mtkc.ir.constants import SMALL, close, constant_of, elements, values
 
 COMMUTATIVE = {"Add", "Mul", "Max", "Min", "And", "Or", "Equal", "Sum"}
-MAX_CHECK_ELEMENTS = 1 << 16  # constant checks never read a weight larger than this
 
 
-def constant_of(tensor: gs.Tensor) -> gs.Constant | None:
-    """The constant behind `tensor`: itself, or the value of the `Constant`/`Identity` node making it."""
-    for _ in range(4):
-        if isinstance(tensor, gs.Constant):
-            return tensor
-        if len(tensor.inputs) != 1:
-            return None
-        node = tensor.inputs[0]
-        if node.op == "Constant" and isinstance(node.attrs.get("value"), gs.Constant):
-            return node.attrs["value"]
-        if node.op != "Identity":
-            return None
-        tensor = node.inputs[0]
-    return None
+class Refused(Exception):
+    """Why a candidate site is not rewritten: the one way a condition, check or rewrite says no.
 
+    `at` is the offending node or tensor (or its name); the driver records it as a `Miss`.
+    """
 
-def values_of(tensor: gs.Tensor, read: Callable[[gs.Constant], Any] | None = None) -> np.ndarray | None:
-    """Values of a constant tensor (read through `read` for external data), else None."""
-    const = constant_of(tensor)
-    if const is None:
-        return None
-    return np.asarray(read(const) if read is not None else const.values)
+    def __init__(self, reason: str, at: gs.Node | gs.Tensor | str | None = None):
+        super().__init__(reason)
+        self.reason, self.at = reason, at
 
-
-def small_values(tensor: gs.Tensor, limit: int = MAX_CHECK_ELEMENTS) -> np.ndarray | None:
-    """Values of a constant of at most `limit` elements (a scalar, axes, a scale), else None."""
-    const = constant_of(tensor)
-    if const is None or int(np.prod(const.shape or ())) > limit:
-        return None
-    return np.asarray(const.values)
+    @property
+    def where(self) -> str | None:
+        return self.at if isinstance(self.at, str) or self.at is None else self.at.name
 
 
 def producer(tensor: gs.Tensor) -> gs.Node | None:
@@ -80,6 +64,8 @@ class Match:
     node: str = ""
     depth: int = 0
     read: Callable[[gs.Constant], Any] | None = None
+    anchor: gs.Node | None = None  # the node the driver started from
+    graph: gs.Graph | None = None  # the graph the driver matched in
 
     def __getitem__(self, name: str):
         return self.bindings[name]
@@ -89,7 +75,7 @@ class Match:
 
     def value(self, name: str) -> np.ndarray:
         """Values of the constant bound to `name`."""
-        return values_of(self.bindings[name], self.read)
+        return values(self.bindings[name], self.read)
 
     def __bool__(self) -> bool:
         return self.ok
@@ -131,25 +117,25 @@ class Pattern:
 class Var(Pattern):
     """Any tensor; a name bound twice must be the same tensor."""
 
-    def __init__(self, name: str | None = None, check: Callable[[gs.Tensor], str | None] | None = None):
+    def __init__(self, name: str | None = None, check: Callable[[gs.Tensor], None] | None = None):
         self.name, self.check = name, check
 
     def _match(self, tensor, st):
         if self.name in st.bindings and st.bindings[self.name] is not tensor:
             return st.failed(f"'{self.name}' is {_label(st.bindings[self.name])} here but {_label(tensor)} there",
                              st.where(tensor))
-        if self.check is not None and (why := self.check(tensor)):
-            return st.failed(why, st.where(tensor))
+        if self.check is not None and (why := _refusal(self.check, tensor)):
+            return st.failed(why.reason, why.where or st.where(tensor))
         if self.name:
             st.bindings[self.name] = tensor
         return True
 
 
 class Const(Pattern):
-    """A constant; `value` (scalar, compared with tolerance) or `check(values) -> reason|None`."""
+    """A constant; `value` (scalar, compared with tolerance) or `check(values)` (raises Refused)."""
 
     def __init__(self, name: str | None = None, value: float | None = None,
-                 check: Callable[[np.ndarray], str | None] | None = None, rtol: float = 1e-6):
+                 check: Callable[[np.ndarray], None] | None = None, rtol: float = 1e-6):
         self.name, self.value, self.check, self.rtol = name, value, check, rtol
 
     def _match(self, tensor, st):
@@ -157,15 +143,14 @@ class Const(Pattern):
         if const is None:
             return st.failed(f"{_label(tensor)} is not a constant", st.where(tensor))
         if self.value is not None or self.check is not None:
-            if int(np.prod(const.shape or ())) > MAX_CHECK_ELEMENTS:
+            if elements(const) > SMALL:
                 return st.failed(f"constant {const.name} is too large to check", st.where(tensor))
-            vals = np.asarray(st.read(const) if st.read is not None else const.values)
-            if self.value is not None and (vals.size != 1 or not np.allclose(vals.astype(np.float64), self.value,
-                                                                             rtol=self.rtol, atol=0)):
+            vals = values(const, st.read)
+            if self.value is not None and not close(vals, self.value, self.rtol):
                 shown = vals.reshape(-1)[:4].tolist()
                 return st.failed(f"constant {const.name} is {shown}, expected {self.value}", st.where(tensor))
-            if self.check is not None and (why := self.check(vals)):
-                return st.failed(f"constant {const.name}: {why}", st.where(tensor))
+            if self.check is not None and (why := _refusal(self.check, vals)):
+                return st.failed(f"constant {const.name}: {why.reason}", st.where(tensor))
         if self.name:
             st.bindings[self.name] = tensor
         return True
@@ -175,12 +160,12 @@ class Op(Pattern):
     """A node of `op` (in `domain`) producing the tensor, with inputs matching `inputs` in order.
 
     `attrs`: name -> expected value, or callable(value) -> bool (a missing attribute is None).
-    `check(node) -> reason|None` for anything else. `name` binds the node. `extra_inputs` allows
+    `check(node)` (raises Refused) for anything else. `name` binds the node. `extra_inputs` allows
     trailing inputs the pattern does not list (e.g. Slice axes/steps).
     """
 
     def __init__(self, op: str, *inputs: Pattern, domain: str = "", attrs: dict | None = None,
-                 name: str | None = None, check: Callable[[gs.Node], str | None] | None = None,
+                 name: str | None = None, check: Callable[[gs.Node], None] | None = None,
                  extra_inputs: bool = False, commute: bool | None = None):
         self.op, self.inputs, self.domain, self.attrs = op, inputs, domain, attrs or {}
         self.name, self.check, self.extra_inputs = name, check, extra_inputs
@@ -198,8 +183,8 @@ class Op(Pattern):
             got = node.attrs.get(key)
             if not (want(got) if callable(want) else _same(got, want)):
                 return st.failed(f"{self.op} attribute {key}={got!r}, expected {_show(want)}", node.name)
-        if self.check is not None and (why := self.check(node)):
-            return st.failed(why, node.name)
+        if self.check is not None and (why := _refusal(self.check, node)):
+            return st.failed(why.reason, why.where or node.name)
         saved = st.save()
         st.nodes.append(node)
         if self.name:
@@ -281,6 +266,14 @@ def near(pattern: Pattern, anchor: gs.Node, root_op: str, steps: int = 8, read: 
     return Match(False, reason=f"no {root_op} within {steps} steps after {anchor.op} {anchor.name}", node=anchor.name)
 
 
+def _refusal(check: Callable, item) -> Refused | None:
+    try:
+        check(item)
+    except Refused as why:
+        return why
+    return None
+
+
 def _alternatives(first: str, second: str) -> str:
     """'expected A, found X' + 'expected B, found X' -> 'expected A | B, found X'."""
     a, _, found_a = first.removeprefix("expected ").partition(", found ")
@@ -315,46 +308,3 @@ def _qual(node: gs.Node) -> str:
 def _where(tensor: gs.Tensor) -> str:
     node = producer(tensor)
     return node.name if node is not None else tensor.name
-
-
-class Emit:
-    """Builds replacement nodes with unique names derived from the site they replace.
-
-    Names come from one `graph_utils.Names` per graph, built on the first Emit and shared by the
-    later ones (a pass makes one Emit per site): `<prefix>/mtkc_<what>`, then `.../1`, ...
-    Only Emit makes `mtkc_` names, so names other generators add later cannot clash.
-    """
-
-    def __init__(self, graph: gs.Graph, prefix: str):
-        self.graph, self.prefix = graph, prefix or "mtkc"
-        state = vars(graph)  # (graphsurgeon's __getattr__ would treat a missing name as an op)
-        if "_mtkc_names" not in state:
-            state["_mtkc_names"] = Names(graph, "")
-        self.names: Names = state["_mtkc_names"]
-
-    def name(self, what: str) -> str:
-        return self.names.new(f"{self.prefix}/mtkc_{what}")
-
-    def const(self, what: str, values) -> gs.Constant:
-        return gs.Constant(self.name(what), np.ascontiguousarray(values))
-
-    def ints(self, what: str, *values: int) -> gs.Constant:
-        """A 1-D int64 constant (shapes, axes, starts/ends)."""
-        return self.const(what, np.array(values, np.int64))
-
-    def op(self, op: str, inputs: list, attrs: dict | None = None, domain: str = "", dtype=None,
-           shape=None, outputs: int = 1):
-        """Append `op`; returns its output Variable (or a list when `outputs` > 1).
-
-        Every op emitted by the LLM passes computes floats: without `dtype`, the outputs take the
-        first floating input's (a constant's, when upstream types are unknown).
-        """
-        if dtype is None:
-            dtype = next((t.dtype for t in inputs if t.dtype is not None and np.dtype(t.dtype).kind == "f"), None)
-        outs = [gs.Variable(self.name(f"{op.lower()}_out"), dtype=dtype, shape=shape) for _ in range(outputs)]
-        node = gs.Node(op, self.name(op.lower()), attrs=dict(attrs or {}), inputs=list(inputs), outputs=outs)
-        if domain:
-            node.domain = domain
-        self.graph.nodes.append(node)
-        return outs[0] if outputs == 1 else outs
-

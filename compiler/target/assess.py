@@ -14,7 +14,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.errors import InputError
-from mtkc.ir.graph_utils import toposort
+from mtkc.ir.toposort import toposort
 from mtkc.target.capability import DEFAULT_DOMAIN, Table, Verdict
 
 

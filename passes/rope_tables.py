@@ -1,0 +1,253 @@
+"""cos/sin hoisting: RoPE's Cos and Sin (unsupported on every MDLA) become a table lookup or an input.
+
+Matched (rule Hoist, anchor: each Cos / Sin): the subgraph from the position source (position_ids
+input, or a Range) to the cos/sin tensor, followed through no-op Casts and constant scalings —
+inv_freq, rope_theta, attention scaling as the export has them:
+
+    position_ids ─ ... ─ MatMul(inv_freq) ─ ... ─ Cos ─ [Cast] ─ [Mul(scale)] ─ cos
+                                             └─── Sin ─ [Cast] ─ [Mul(scale)] ─ sin
+
+It is *evaluated* in onnxruntime for positions 0..max_pos-1 (one run per position source) and
+replaced, per option `rope_mode`, by:
+
+    table   (default) Gather(cos_table[max_pos, F], positions)       max_pos = option max_positions
+                                                                      or cache_len + seq_len
+    pos_emb a graph input pos_emb [1, 2, T, D] (cos, sin: MediaTek's convention), sliced
+            Squeeze(Slice(pos_emb, 0:1 | 1:2, axis 1)); position_ids is then dropped.
+
+Rule FoldedToPosEmb (pos_emb only, on rope.RotateHalf's sites): cos/sin that shape folding already
+made constants (no cache: positions 0..T-1) become pos_emb slices too, so every graph variant
+takes the same inputs.
+
+Refused: cos/sin depending on more than one position source (bind shapes first), no table size
+(give seq_len/cache_len or max_positions), or a result that is not [.., positions, F].
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from mtkc.contract import io
+from mtkc.ir.constants import constant_of, values
+from mtkc.ir.execute import run
+from mtkc.rewrite.builder import Emit
+from mtkc.rewrite.markers import ROPE_TABLE
+from mtkc.rewrite.pattern import Refused
+from mtkc.rewrite.rules import Rule
+
+POS_EMB = io.POS_EMB
+MODES = ("table", "pos_emb")
+
+
+def mode(ctx) -> str:
+    return ctx.options.rope_mode or "table"
+
+
+class Hoist(Rule):
+    anchor, sites = ("Cos", "Sin"), "cos/sin"
+
+    def __init__(self, io):
+        self.io = io  # the Rope pass: `tables` and `position_input` for its map_feeds
+
+    def start(self, graph, ctx):
+        """Evaluate every cos/sin once per position source: node id -> (target, table, rank, source) | Refused."""
+        self.plan, groups = {}, {}
+        for node in graph.nodes:
+            if node.op not in self.anchor or node.domain:
+                continue
+            if mode(ctx) not in MODES:
+                self.plan[id(node)] = Refused(f"unknown rope_mode '{mode(ctx)}' (table | pos_emb)")
+                continue
+            try:
+                source = _position_source(node)
+            except Refused as why:
+                self.plan[id(node)] = why
+                continue
+            groups.setdefault(id(source), (source, []))[1].append((node, _hoisted(node)))
+        for source, items in groups.values():
+            try:
+                tables = _evaluate(graph, ctx, source, [t for _, t in items], _max_positions(ctx))
+            except Refused as why:
+                tables = [why] * len(items)
+            for (node, target), table in zip(items, tables):
+                self.plan[id(node)] = table if isinstance(table, Refused) else (target, *table, source)
+
+    def check(self, ctx, m):
+        if isinstance(plan := self.plan[id(m["node"])], Refused):
+            raise plan
+
+    def rewrite(self, op, ctx, m):
+        node = m["node"]
+        target, table, rank, source = self.plan[id(node)]
+        kind = "cos" if node.op == "Cos" else "sin"
+        if mode(ctx) == "table":
+            return [(target, _gather(op, kind, table, source, rank))]
+        if rank != 3:
+            raise Refused(f"{kind} is rank {rank}, pos_emb replaces [1, T, D] tensors only")
+        full = table if _full_width(table) else np.concatenate([table, table], axis=-1)
+        if any(t is source for t in m.graph.inputs):
+            self.io.position_input = source.name
+        seq = ctx.options.seq_len or (source.shape[-1] if source.shape else "sequence_length")
+        return [(target, _slice(op, self.io, kind, full, table.shape[1], seq, target.shape))]
+
+
+class FoldedToPosEmb(Rule):
+    """cos/sin already folded to constants (positions 0..T-1, no cache) -> pos_emb slices."""
+
+    sites, quiet = "folded cos/sin", True
+
+    def __init__(self, io, rotate_half: Rule):
+        self.io, self.anchor, self.root, self.steps = io, rotate_half.anchor, rotate_half.root, rotate_half.steps
+        self.candidate, self.pattern = rotate_half.candidate, rotate_half.pattern
+
+    def applies(self, ctx):
+        return mode(ctx) == "pos_emb"
+
+    def check(self, ctx, m):
+        for kind in ("cos", "sin"):
+            const = _constant_source(m[kind])
+            shape = list(const.shape) if const is not None else []
+            width = shape[-1] if len(shape) in (3, 4) else 0
+            seq = int(np.prod(shape)) // width if width else 0
+            if const is not None and (not width or sorted(d for d in shape if d != 1) not in (sorted([seq, width]), [width])):
+                raise Refused(f"constant {kind} has shape {shape}")
+
+    def done(self, ctx, m):
+        return all(_constant_source(m[kind]) is None for kind in ("cos", "sin"))
+
+    def prefix(self, m):
+        return m["add"].name
+
+    def rewrite(self, op, ctx, m):
+        replaced = []
+        for kind in ("cos", "sin"):
+            const = _constant_source(m[kind])
+            if const is not None:
+                vals = np.asarray(values(const, ctx.read_values))
+                width = vals.shape[-1]
+                replaced.append((const, _slice(op, self.io, kind, vals.reshape(-1, width), width, vals.size // width,
+                                                    vals.shape)))
+        return replaced
+
+
+def _constant_source(tensor: gs.Tensor) -> gs.Constant | None:
+    """The constant a cos/sin operand is computed from through shape-only ops, if any."""
+    for _ in range(4):
+        if isinstance(tensor, gs.Constant):
+            return tensor
+        node = tensor.inputs[0] if len(tensor.inputs) == 1 else None
+        if node is None or node.op not in ("Unsqueeze", "Reshape", "Cast", "Expand", "Identity"):
+            return None
+        tensor = node.inputs[0]
+    return None
+
+
+def _slice(op: Emit, io, kind, full, width, seq, shape):
+    """Slice(pos_emb, cos|sin, first `width` columns) [1,1,T,width], reshaped to `shape` when it differs."""
+    graph = op.graph
+    pos_emb = next((t for t in graph.inputs if t.name == POS_EMB), None)
+    if pos_emb is None:
+        pos_emb = gs.Variable(POS_EMB, dtype=np.float32, shape=[1, 2, seq, full.shape[1]])
+        graph.inputs.append(pos_emb)
+    elif pos_emb.shape[-1] != full.shape[1]:
+        raise Refused(f"pos_emb has width {pos_emb.shape[-1]}, {kind} needs {full.shape[1]}")
+    io.tables[kind] = full
+    k = 0 if kind == "cos" else 1
+    sliced = op.Slice(pos_emb, op.ints("starts", k, 0), op.ints("ends", k + 1, width), op.ints("axes", 1, 3),
+                      _dtype=np.float32)
+    shape = list(shape) if shape is not None else None
+    if shape == [1, 1, seq, width]:
+        return sliced
+    if shape is not None and all(isinstance(d, int) for d in shape):  # [1, T, D] or [1, T, 1, D] (BSND)
+        return op.Reshape(sliced, op.ints("shape", *shape), _shape=shape)
+    return op.Squeeze(sliced, op.ints("axes", 1), _shape=shape)
+
+
+def _full_width(table: np.ndarray) -> bool:
+    """cos(Concat(f, f)) repeats its first half; the fused ops' caches hold one half only."""
+    half = table.shape[1] // 2
+    return table.shape[1] % 2 == 0 and np.array_equal(table[:, :half], table[:, half:])
+
+
+def _position_source(node: gs.Node) -> gs.Tensor:
+    """The one graph input or Range output that `node` depends on (constants aside)."""
+    sources, seen, stack = {}, set(), [node]
+    while stack:
+        n = stack.pop()
+        for t in n.inputs:
+            if id(t) in seen or constant_of(t) is not None:
+                continue
+            seen.add(id(t))
+            producer = t.inputs[0] if t.inputs else None
+            if producer is None or producer.op == "Range":
+                sources[t.name] = t
+            else:
+                stack.append(producer)
+    if len(sources) != 1:
+        raise Refused(f"{node.op} depends on {sorted(sources) or 'no input'}, expected one position source "
+                      "(bind shapes and fold first)")
+    return next(iter(sources.values()))
+
+
+def _hoisted(node: gs.Node) -> gs.Tensor:
+    """The Cos/Sin output followed through no-op Casts and Mul/Div by a constant (attention scaling)."""
+    out = node.outputs[0]
+    while len(out.outputs) == 1:
+        nxt = out.outputs[0]
+        if nxt.op == "Cast" or (nxt.op in ("Mul", "Div") and nxt.inputs[0] is out
+                                and constant_of(nxt.inputs[1]) is not None) or \
+                (nxt.op == "Mul" and constant_of(nxt.inputs[0]) is not None):
+            out = nxt.outputs[0]
+        else:
+            break
+    return out
+
+
+def _max_positions(ctx) -> int:
+    opts = ctx.options
+    if opts.max_positions:
+        return int(opts.max_positions)
+    if opts.seq_len:
+        return int(opts.seq_len) + int(opts.cache_len or 0)
+    raise Refused("table size unknown: give --seq-len (and --cache-len) or the max_positions option")
+
+
+def _evaluate(graph: gs.Graph, ctx, source: gs.Tensor, targets: list, max_pos: int) -> list[tuple[np.ndarray, int]]:
+    """[(table [max_pos, F], rank of the target)] by running source -> targets on 0..max_pos-1."""
+    sub = graph.copy()
+    tensors = sub.tensors()
+    pos = tensors[source.name]
+    pos.inputs.clear()
+    rank = len(source.shape) if source.shape is not None else 1
+    dtype = np.dtype(source.dtype) if source.dtype is not None else np.dtype(np.int64)
+    pos.dtype, pos.shape = dtype, [1] * (rank - 1) + [max_pos]
+    sub.inputs = [pos]
+    sub.outputs = [tensors[t.name] for t in targets]
+    for out in sub.outputs:
+        out.shape = None
+        out.dtype = out.dtype or np.float32
+    sub.cleanup(remove_unused_graph_inputs=False)
+    loose = sorted({t.name for n in sub.nodes for t in n.inputs
+                    if isinstance(t, gs.Variable) and not t.inputs and t is not pos and t.name})
+    if loose:
+        raise Refused(f"cos/sin also depend on {loose} (bind shapes and fold first)")
+    try:
+        results = run(sub, {pos.name: np.arange(max_pos, dtype=dtype).reshape(pos.shape)}, ctx.root)
+    except Exception as exc:  # onnxruntime reports a bad subgraph as a plain exception
+        raise Refused(f"cannot evaluate cos/sin for {max_pos} positions: {str(exc).splitlines()[0][:200]}") from None
+    tables = []
+    for out in sub.outputs:
+        v = results[out.name]
+        if v.ndim < 2 or v.shape[-2] != max_pos or int(np.prod(v.shape[:-2])) != 1:
+            raise Refused(f"cos/sin has shape {list(v.shape)} for {max_pos} positions, expected [.., {max_pos}, F]")
+        tables.append((v.reshape(max_pos, v.shape[-1]).astype(np.float32), v.ndim))
+    return tables
+
+
+def _gather(op: Emit, kind, table, source, rank):
+    src_rank = len(source.shape) if source.shape is not None else 1
+    out = op.Gather(op.const(f"{kind}_{ROPE_TABLE}", table), source, axis=0, _dtype=np.float32)
+    if rank > src_rank + 1:
+        out = op.Unsqueeze(out, op.const("axes", np.arange(rank - src_rank - 1, dtype=np.int64)), _dtype=np.float32)
+    return out
