@@ -20,8 +20,10 @@ from typing import Mapping
 
 import onnx_graphsurgeon as gs
 
+from mtkc import __version__
 from mtkc.backend import handoff, report
 from mtkc.backend.manifest import dumps
+from mtkc.backend.staging import MARK
 from mtkc.backend.stitch import Split
 from mtkc.errors import ConverterError
 
@@ -38,6 +40,7 @@ def finish(
 ) -> ConverterError | None:
     """`splits`: graph name -> (gs graph, Split). Updates `manifest` and `report_data` in place."""
     out = Path(out)
+    manifest[MARK] = __version__  # with schema_version: how --overwrite recognises a folder mtkc wrote
     manifest["model"] = {"path": str(Path(model_path).resolve())}
     report_data["placement"] = {name: report.placement(graph, s.parts, s.placements) for name, (graph, s) in splits.items()}
     placed = [p for facts in report_data["placement"].values() for p in (facts["npu_nodes"], facts["nodes"])]

@@ -23,7 +23,7 @@ import onnx_graphsurgeon as gs
 
 from mtkc import __version__
 from mtkc.backend import manifest
-from mtkc.backend.staging import staged
+from mtkc.backend.staging import check_target, staged
 from mtkc.errors import InputError
 from mtkc.ir.model import Model, load
 from mtkc.ir.weights import WeightWriter
@@ -259,10 +259,7 @@ def _check_out(out: Path, model: Model, overwrite: bool) -> None:
     for item in inputs:
         if target == item or target in item.parents:
             raise InputError(f"{out}: output folder overlaps the input model ({item.name}); choose another -o")
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
-        raise InputError(f"{out}: exists and is not a folder")
-    if out.exists() and not overwrite:
-        raise InputError(f"{out}: exists; pass --overwrite to replace it")
+    check_target(out, overwrite)  # exists: only a folder mtkc wrote, with --overwrite
 
 
 def _external_files(model: Model) -> list[Path]:
