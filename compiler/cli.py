@@ -10,6 +10,7 @@ import sys
 
 from mtkc import __version__
 from mtkc.display import EscapingFormatter, escape
+from mtkc.backend.staging import interrupts_unwind
 from mtkc.errors import MtkcError
 
 # Each module defines `add_parser(subparsers)`; the parser it adds sets `func=run(args)->int`.
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if verbosity > 0 else logging.WARNING if verbosity < 0 else logging.INFO,
         handlers=[handler],
     )
+    interrupts_unwind()  # SIGTERM/Ctrl-C: staging removed, converters killed
     try:
         return args.func(args)
     except MtkcError as exc:

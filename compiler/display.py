@@ -36,6 +36,18 @@ def escape(text: object) -> str:
     return "".join(out)
 
 
+def md_code(text: object) -> str:
+    """`text` escaped, as a Markdown code span that no backtick in it can close early."""
+    text = escape(text)
+    run = longest = 0
+    for ch in text:
+        run = run + 1 if ch == "`" else 0
+        longest = max(longest, run)
+    fence = "`" * (longest + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
 class EscapingFormatter(logging.Formatter):
     """A logging formatter whose message (arguments included) is escaped: one record, one line."""
 

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from mtkc.commands import options
+from mtkc.display import escape
 from mtkc.pipeline.check import CheckReport, check
 from mtkc.target.capability import remedy_text
 
@@ -52,7 +53,7 @@ def render(report: CheckReport) -> str:
     a = report.assessment
     compiled = "n/a" if report.coverage_compiled is None else f"{report.coverage_compiled:.1%}"
     lines = [
-        f"model       {report.model}",
+        f"model       {escape(report.model)}",
         f"target      NeuroPilot {report.sdk} / {report.arch}",
         f"nodes       {a.nodes} ({a.constants} Constant nodes not counted)",
         f"NPU         {a.supported} nodes; coverage {a.coverage:.1%} raw, {compiled} after passes",
@@ -61,14 +62,14 @@ def render(report: CheckReport) -> str:
         f"verdict     {report.verdict} (GOOD: largest partition > 75% of nodes, MAYBE: > 50%, else POOR)",
     ]
     if report.unbound:
-        lines.append(f"unbound     {', '.join(report.unbound)} (bind with --seq-len/--cache-len/--batch/--input-shape)")
+        lines.append(f"unbound     {escape(', '.join(report.unbound))} (bind with --seq-len/--cache-len/--batch/--input-shape)")
     if a.groups:
         rows = [("op", "domain", "count", "reason", "remedy", "example nodes")]
         for g in a.groups:
             examples = ", ".join(g.nodes[:EXAMPLES]) + (", ..." if g.count > EXAMPLES else "")
             v = g.verdict  # the table shows passes/SDK; the hint is in --format json
             remedy = remedy_text(v.passes, v.first_sdk) if v.passes or v.first_sdk else v.remedy
-            rows.append((g.op, g.domain, str(g.count), g.reason, remedy, examples))
+            rows.append(tuple(escape(c) for c in (g.op, g.domain, str(g.count), g.reason, remedy, examples)))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines.append("")
         for r in rows:

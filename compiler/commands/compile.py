@@ -8,6 +8,7 @@ import math
 
 from mtkc.commands.options import add_common, add_pipeline, add_shapes, add_target
 from mtkc.commands.partitioning import add_partitioning, partitioning_options
+from mtkc.display import escape
 from mtkc.errors import InputError
 
 log = logging.getLogger("mtkc")
@@ -93,5 +94,5 @@ def explain(result, name: str) -> str:
     several = len(result.variants) > 1
     for r in records:
         lines.append(f"{name}{f' [{r.graph}]' if several else ''}: {r.rewrites} rewrites, {len(r.misses)} misses")
-        lines += [f"  {m.node}: {m.reason}" for m in r.misses]
+        lines += [f"  {escape(m.node)}: {escape(m.reason)}" for m in r.misses]
     return "\n".join(lines)

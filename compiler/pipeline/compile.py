@@ -33,7 +33,7 @@ from mtkc.rewrite.pass_api import Context
 # Compile options (keys of `options`; all optional); all but RUN_OPTIONS go in the manifest.
 OUTPUT_OPTIONS = ("arch", "seq_len", "cache_len", "batch", "input_shapes", "passes", "skip_passes", "plugins",
                   "min_partition_nodes", "force_cpu", "force_npu", "converter_cmd")
-RUN_OPTIONS = ("verify_each", "overwrite", "no_convert")
+RUN_OPTIONS = ("verify_each", "overwrite", "no_convert", "converter_timeout")
 WEIGHTS_FILE = "weights.bin"  # shared by every graph written (each tensor stored once)
 
 
@@ -121,7 +121,8 @@ def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.Pat
     with staged(out, bool(options["overwrite"])) as stage:  # OUT: all of this, or the previous OUT
         _write(stage, variants, data, tables, model.root)
         error = finish(stage, data, report, {v.name: (v.graph, v.split) for v in variants}, model.path,
-                       getattr(table, "converter", None), options["converter_cmd"], options["no_convert"])
+                       getattr(table, "converter", None), options["converter_cmd"], options["no_convert"],
+                       options["converter_timeout"])
     if error is not None:
         raise error  # exit 3 after the rename: OUT is complete, its logs/ say what the converter said
     return CompileResult(out, data, report, [r for v in variants for r in v.compiled.records], variants)
