@@ -257,7 +257,7 @@ def _trivial_graph(opset: int) -> onnx.ModelProto:
     h = onnx.helper
     x = h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])
     y = h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])
-    graph = h.make_graph([h.make_node("Relu", ["x"], ["y"], name="relu")], "trivial", [x], [y])
+    graph = h.make_graph([h.make_node("Relu", ["x"], ["y"], name="mtkc_probe_relu")], "mtkc_probe", [x], [y])
     return h.make_model(graph, opset_imports=[h.make_opsetid("", opset)], ir_version=8)
 
 
@@ -307,34 +307,30 @@ def _run_bounded(argv: list[str], cwd: Path, timeout: float) -> tuple[int | None
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             cwd=cwd, start_new_session=True)
     LIVE_GROUPS.add(proc.pid)
-    head, tail, dropped = bytearray(), collections.deque(), 0
-    tail_bytes = 0
+    log = _BoundedLog()
     deadline = time.monotonic() + timeout
     fd = proc.stdout.fileno()
     try:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                return None, _log_text(head, tail, dropped)
-            if not select.select([fd], [], [], min(left, 1.0))[0]:
-                continue
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
+                return None, log.text()
+            ready = select.select([fd], [], [], min(left, 0.2))[0]
+            if ready:
+                chunk = os.read(fd, 1 << 16)
+                if chunk:
+                    log.add(chunk)
+                    continue
+                break  # EOF: every writer is gone
+            if proc.poll() is not None:  # it exited; a child it left may hold the pipe open
+                while select.select([fd], [], [], 0)[0] and (chunk := os.read(fd, 1 << 16)):
+                    log.add(chunk)
                 break
-            room = LOG_HEAD - len(head)
-            head += chunk[:room]
-            chunk = chunk[room:] if room > 0 else chunk
-            if chunk:
-                tail.append(chunk)
-                tail_bytes += len(chunk)
-                while tail_bytes - len(tail[0]) >= LOG_TAIL:
-                    tail_bytes -= len(tail[0])
-                    dropped += len(tail.popleft())
         try:
             code = proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            return None, _log_text(head, tail, dropped)
-        return code, _log_text(head, tail, dropped)
+            return None, log.text()
+        return code, log.text()
     finally:
         _kill_group(proc)
         proc.stdout.close()
@@ -350,9 +346,29 @@ def _kill_group(proc: subprocess.Popen) -> None:
     LIVE_GROUPS.discard(proc.pid)
 
 
-def _log_text(head: bytearray, tail, dropped: int) -> str:
-    gap = f"\n[... {dropped} bytes of converter output omitted ...]\n" if dropped else ""
-    return (bytes(head) + gap.encode() + b"".join(tail)).decode("utf-8", errors="replace")
+class _BoundedLog:
+    """The first LOG_HEAD and the last LOG_TAIL bytes of a stream, and how many were dropped between."""
+
+    def __init__(self):
+        self.head = bytearray()
+        self.tail: collections.deque[bytes] = collections.deque()
+        self.tail_bytes = self.dropped = 0
+
+    def add(self, chunk: bytes) -> None:
+        room = max(0, LOG_HEAD - len(self.head))
+        self.head += chunk[:room]
+        chunk = chunk[room:]
+        if chunk:
+            self.tail.append(chunk)
+            self.tail_bytes += len(chunk)
+            while self.tail_bytes - len(self.tail[0]) >= LOG_TAIL:
+                first = self.tail.popleft()
+                self.tail_bytes -= len(first)
+                self.dropped += len(first)
+
+    def text(self) -> str:
+        gap = f"\n[... {self.dropped} bytes of converter output omitted ...]\n" if self.dropped else ""
+        return (bytes(self.head) + gap.encode() + b"".join(self.tail)).decode("utf-8", errors="replace")
 
 
 def _write_script(path: Path, backend: Backend, todo: list[Job], context: dict) -> None:

@@ -27,7 +27,7 @@ def read_manifest(out: str | os.PathLike) -> dict:
     """OUT/manifest.json, parsed and checked (shape, required keys, every path confined to OUT)."""
     path = Path(out) / MANIFEST
     if not path.is_file():
-        raise InputError(f"{path}: no manifest (is {out} an mtkc compile output?)")
+        raise InputError(f"{out}: no manifest.json (is it an mtkc compile output?)")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:

@@ -143,6 +143,9 @@ def _stripped(proto: onnx.ModelProto) -> onnx.ModelProto:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             _placeholder(tensor)
     _sort_nodes(copy.graph)  # the checker wants topological order; onnxruntime (and mtkc) do not
+    for value in [*copy.graph.input, *copy.graph.output]:  # and a shape field (rank may be unknown)
+        if value.type.HasField("tensor_type") and not value.type.tensor_type.HasField("shape"):
+            value.type.tensor_type.shape.SetInParent()
     _set_aside_unknown_ops(copy)
     return copy
 
