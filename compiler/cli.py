@@ -9,6 +9,8 @@ import os
 import sys
 
 from mtkc import __version__
+from mtkc.display import EscapingFormatter, escape
+from mtkc.backend.staging import interrupts_unwind
 from mtkc.errors import MtkcError
 
 # Each module defines `add_parser(subparsers)`; the parser it adds sets `func=run(args)->int`.
@@ -43,15 +45,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     verbosity = getattr(args, "verbose", 0) - getattr(args, "quiet", 0)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(EscapingFormatter("%(message)s"))  # names from the model: one line, no escapes
     logging.basicConfig(
         level=logging.DEBUG if verbosity > 0 else logging.WARNING if verbosity < 0 else logging.INFO,
-        format="%(message)s",
-        stream=sys.stderr,
+        handlers=[handler],
     )
+    interrupts_unwind()  # SIGTERM/Ctrl-C: staging removed, converters killed
     try:
         return args.func(args)
     except MtkcError as exc:
-        print(f"mtkc: error: {exc}", file=sys.stderr)
+        print(f"mtkc: error: {escape(exc)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("mtkc: interrupted", file=sys.stderr)
@@ -61,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except Exception as exc:  # a bug: one line, and how to report it
         print(
-            f"mtkc: internal error: {type(exc).__name__}: {exc}. This is a bug in mtkc; "
+            f"mtkc: internal error: {type(exc).__name__}: {escape(exc)}. This is a bug in mtkc; "
             "rerun with MTKC_TRACEBACK=1 and report the output.",
             file=sys.stderr,
         )

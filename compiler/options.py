@@ -61,6 +61,7 @@ class Options:
     force_npu: tuple[str, ...] = ()
     converter_cmd: str | None = None
     no_convert: bool = False
+    converter_timeout: float | None = None  # seconds; None: the hand-off's default
     overwrite: bool = False
     # set per graph by compile's variant planner, never by a user
     variant: str | None = None
@@ -82,7 +83,7 @@ class Options:
 
 
 # not in the manifest: the SDK is a top-level key; run-only switches; per-graph planner fields
-NOT_RECORDED = ("sdk", "verify_each", "overwrite", "no_convert", "variant", "chunk", "max_positions")
+NOT_RECORDED = ("sdk", "verify_each", "overwrite", "no_convert", "converter_timeout", "variant", "chunk", "max_positions")
 
 
 def _plain(value: Any) -> Any:
@@ -126,6 +127,12 @@ def _names(v):
     if isinstance(v, str) or not isinstance(v, (list, tuple)) or not all(isinstance(x, str) and x for x in v):
         return None, "a list of names"
     return tuple(v), None
+
+
+def _seconds(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf):
+        return None, "a positive number of seconds"
+    return float(v), None
 
 
 def _mask_value(v):
@@ -184,6 +191,7 @@ CHECKS = {
     "force_npu": _names,
     "converter_cmd": _str,
     "no_convert": _bool,
+    "converter_timeout": _seconds,
     "overwrite": _bool,
     # planner keys: accepted from the Python API only
     "variant": _choice("prefill", "decode"),

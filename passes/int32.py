@@ -11,7 +11,7 @@
 
 Kept int64, by the ONNX spec (these operands must be int64): the *constant* shape operands
 Reshape.shape, Expand.shape, Tile.repeats, ConstantOfShape.input, Unsqueeze/Squeeze.axes,
-Reduce*.axes, Pad.pads, Split.split, Resize.sizes, TopK.K, GatherND/ScatterND.indices. They
+Reduce*.axes, Pad.pads, Split.split, Resize.sizes, TopK.K, GatherND/ScatterND.indices, Loop.M. They
 are not runtime tensors: converters read them as static attributes (the capability check
 should accept int64 constants there; it must reject int64 runtime tensors).
 Refuses (Miss): constants whose values do not fit, ops whose output is int64 by definition
@@ -37,7 +37,7 @@ REDUCE = {"ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "Red
           "ReduceLogSumExp", "ReduceSumSquare", "ReduceSum"}
 INT64_SLOTS = {"Reshape": {1}, "Expand": {1}, "Tile": {1}, "ConstantOfShape": {0}, "Unsqueeze": {1},
                "Squeeze": {1}, "Pad": {1}, "Split": {1}, "Resize": {3}, "TopK": {1}, "GatherND": {1},
-               "ScatterND": {1}, "Upsample": {1}, **{op: {1} for op in REDUCE}}
+               "ScatterND": {1}, "Upsample": {1}, "Loop": {0}, **{op: {1} for op in REDUCE}}  # Loop: trip count
 INT64_OUTPUTS = {"Shape", "Size", "NonZero", "ArgMax", "ArgMin", "Unique", "TopK"}
 CLAMP_OPS = {"Slice"}
 

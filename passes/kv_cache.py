@@ -509,6 +509,7 @@ def layer_caches(graph: gs.Graph) -> list[LayerCache]:
 class KvCacheIo(Pass):
     name = "kv-cache-io"
     description = "present_* outputs: new entries [1,Hkv,T,D] (cache_io=new) or the slid cache [1,Hkv,C,D]"
+    changes_io = True  # also drops inputs that became unused and puts the I/O in contract order
 
     def applies(self, ctx: Context) -> bool:
         return _kv_on(ctx)

@@ -241,7 +241,7 @@ def test_a_failure_while_writing_keeps_the_previous_output(source, tmp_path, mon
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr("mtkc.backend.deliver._write", disk_full)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(InputError, match="No space left"):  # the user's disk: exit 2
         compile_model(source, SDK, out, {"passes": ["bind-shapes", "fold"], "seq_len": 8, "overwrite": True})
     assert files(out) == before
     assert [p.name for p in tmp_path.iterdir()] == ["out"]

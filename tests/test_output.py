@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mtkc.cli import main
-from mtkc.errors import ConverterError
+from mtkc.errors import ConverterError, InputError
 from mtkc.pipeline.compile import compile_model
 
 STANDIN = Path(__file__).with_name("standin_converter.py")
@@ -56,7 +56,7 @@ def test_a_failure_while_writing_reports_keeps_the_previous_output(exported, pre
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(where, fail)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(InputError, match="No space left"):  # the user's disk: exit 2, not a crash
         compile_model(exported("qwen2", "legacy17"), "8.0", out, NEW)
     assert files(out) == before
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging folder left behind
@@ -131,8 +131,10 @@ def test_sigkill_at_random_points_never_leaves_a_half_output(exported, previous,
 
 
 def _fill(folder: Path, text: str) -> None:
+    """A folder as mtkc writes it (its manifest marked), holding report.md = `text`."""
     folder.mkdir()
-    (folder / "a.txt").write_text(text)
+    (folder / "manifest.json").write_text(json.dumps({"schema_version": 1, "mtkc": "0"}))
+    (folder / "report.md").write_text(text)
 
 
 @pytest.mark.parametrize("exchange", [True, False])
@@ -143,8 +145,8 @@ def test_staged_replaces_an_existing_folder(tmp_path, monkeypatch, exchange):
         monkeypatch.setattr(staging, "_exchange", lambda a, b: False)
     _fill(tmp_path / "out", "old")
     with staging.staged(tmp_path / "out", overwrite=True) as stage:
-        (stage / "a.txt").write_text("new")
-    assert (tmp_path / "out" / "a.txt").read_text() == "new"
+        (stage / "report.md").write_text("new")
+    assert (tmp_path / "out" / "report.md").read_text() == "new"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
@@ -161,10 +163,10 @@ def test_staged_fallback_puts_the_previous_folder_back_when_the_second_rename_fa
         real(src, dst)
 
     monkeypatch.setattr(staging.os, "rename", rename)
-    with pytest.raises(OSError, match="I/O error"):
+    with pytest.raises(OSError, match="I/O error"):  # EIO: not the user's doing, stays an OSError
         with staging.staged(tmp_path / "out", overwrite=True) as stage:
-            (stage / "a.txt").write_text("new")
-    assert (tmp_path / "out" / "a.txt").read_text() == "old"
+            (stage / "report.md").write_text("new")
+    assert (tmp_path / "out" / "report.md").read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
@@ -179,5 +181,5 @@ def test_staged_removes_staging_of_dead_processes_only(tmp_path):
         _fill(tmp_path / f".out.mtkc-{pid}-x", "half")
     _fill(tmp_path / ".other.mtkc-1-x", "not ours")
     with staging.staged(tmp_path / "out", overwrite=False) as stage:
-        (stage / "a.txt").write_text("new")
+        (stage / "report.md").write_text("new")
     assert sorted(p.name for p in tmp_path.iterdir()) == [".other.mtkc-1-x", f".out.mtkc-{os.getpid()}-x", "out"]

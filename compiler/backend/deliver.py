@@ -1,5 +1,6 @@
 """After compile has written the graphs: hand off to the converter, then write what people read.
 
+    (nothing written)             runcheck.check_runs: every graph loads and runs in onnxruntime
     convert.sh, logs/, dla/       handoff.run (converter, when present; runs inside the folder)
     <graph>.placement.json        Model Explorer overlay per graph
     report.md                     human-readable report
@@ -20,8 +21,11 @@ from typing import Mapping
 
 import onnx_graphsurgeon as gs
 
+from mtkc import __version__
 from mtkc.backend import handoff, report
 from mtkc.backend.manifest import dumps, source
+from mtkc.backend.runcheck import check_runs
+from mtkc.backend.staging import MARK
 from mtkc.backend.stitch import Split
 from mtkc.errors import ConverterError
 
@@ -35,15 +39,18 @@ def finish(
     converter: Mapping[str, str] | None = None,
     converter_cmd: str | None = None,
     no_convert: bool = False,
+    converter_timeout: float | None = None,
 ) -> ConverterError | None:
     """`splits`: graph name -> (gs graph, Split). Updates `manifest` and `report_data` in place."""
     out = Path(out)
+    check_runs(out, manifest)  # every graph written loads and runs, or nothing is published
+    manifest[MARK] = __version__  # with schema_version: how --overwrite recognises a folder mtkc wrote
     manifest["model"] = source(str(Path(model_path).resolve()), (report_data.get("input") or {}).get("sha256"))
     report_data["placement"] = {name: report.placement(graph, s.parts, s.placements) for name, (graph, s) in splits.items()}
     placed = [p for facts in report_data["placement"].values() for p in (facts["npu_nodes"], facts["nodes"])]
     if isinstance(manifest.get("coverage"), dict) and placed:  # nodes placed on the NPU (after min size, overrides)
         manifest["coverage"]["placed"] = round(sum(placed[0::2]) / max(1, sum(placed[1::2])), 6)
-    result = handoff.run(out, manifest, converter, converter_cmd, bool(no_convert))
+    result = handoff.run(out, manifest, converter, converter_cmd, bool(no_convert), timeout=converter_timeout)
     manifest["converter"] = result.section
     report_data["converter"] = result.section
     for name, (_, s) in splits.items():

@@ -11,6 +11,10 @@ Templates are split with shlex first, then each token is filled in ({input} {out
 {sdk} {input_names} {input_shapes} {onnx} {tflite} {dla}), and run without a shell. A failure is
 pinned on nodes: names found in the log, else op types found in the log, else bisection of the
 partition (prefixes of its topological order) with the converter as the oracle, bounded runs.
+A converter that is broken is told apart and no node is blamed: it exits 0 without writing its
+output, runs past `--converter-timeout`, or also fails on a trivial one-node graph (probed before
+bisecting). Each run is its own process group, killed on timeout, Ctrl-C or SIGTERM; only the
+head and tail of its output are kept (`LOG_HEAD` + `LOG_TAIL` bytes).
 Commands run inside OUT with paths relative to it (a relative program or script path in the
 template is made absolute first), so logs name no absolute or staging path.
 Logs: OUT/logs/<graph>.<partition>.log; outputs: OUT/dla/.
@@ -18,13 +22,17 @@ Logs: OUT/logs/<graph>.<partition>.log; outputs: OUT/dla/.
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import os
 import re
+import select
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
@@ -33,6 +41,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from mtkc.backend.partition import Partition
+from mtkc.backend.staging import LIVE_GROUPS
 from mtkc.backend.stitch import boundaries
 from mtkc.errors import ConverterError, InputError
 from mtkc.ir.model import load
@@ -42,6 +51,8 @@ SCRIPT = "convert.sh"
 PATH_KEYS = ("input", "output", "onnx", "tflite", "dla")
 OUT_MARK = "@MTKC_OUT@"  # stands for "$OUT" in convert.sh (shlex-safe characters)
 MAX_BISECT_RUNS = 12  # 2**12 nodes pinned to one
+DEFAULT_TIMEOUT = 4 * 3600.0  # seconds per converter run; a real 7B partition takes minutes
+LOG_HEAD = LOG_TAIL = 64 << 10  # bytes of converter output kept from its start and its end
 ERROR_LINE = re.compile(r"error|unsupport|not support|fail|fallback|invalid", re.IGNORECASE)
 
 # MediaTek's Python API, run in a child process so a crash in it cannot take mtkc down.
@@ -152,12 +163,14 @@ def run(
     converter_cmd: str | None = None,
     no_convert: bool = False,
     max_bisect_runs: int = MAX_BISECT_RUNS,
+    timeout: float | None = None,
 ) -> Handoff:
     """Write OUT/convert.sh, run the converter on every NPU partition when one is present."""
     out = Path(out).resolve()
     backend = command_backend(converter_cmd) if converter_cmd else mediatek_backend(converter or {})
     todo = jobs(manifest)
-    context = {"arch": str(manifest.get("arch") or ""), "sdk": str(manifest.get("sdk") or "")}
+    context = {"arch": str(manifest.get("arch") or ""), "sdk": str(manifest.get("sdk") or ""),
+               "timeout": DEFAULT_TIMEOUT if timeout is None else float(timeout)}
     _write_script(out / SCRIPT, backend, todo, context)
     section = {"backend": backend.name, "commands": [shlex.join(s) for s in backend.steps], "script": SCRIPT}
     if not todo:
@@ -169,11 +182,13 @@ def run(
     (out / "dla").mkdir(exist_ok=True)
     outcomes = []
     for job in todo:
-        code, text = _execute(backend, job, out, context)
+        code, text, broken = _execute(backend, job, out, context)
         log = f"logs/{job.key}.log"
         (out / log).write_text(text)
         outcome = Outcome(job, code, log)
-        if code != 0:
+        if broken:
+            outcome.blame = {"method": "broken", "reason": broken}
+        elif code != 0:
             outcome.blame = blame(out, job, text, lambda probe: _fails(backend, probe, out, context), max_bisect_runs)
         outcomes.append(outcome)
     section.update(ran=True, partitions=[_summary(o) for o in outcomes])
@@ -212,8 +227,11 @@ def bisect(out: Path, job: Job, fails, max_runs: int) -> dict:
     graph = load(out / job.onnx).graph
     nodes = list(graph.nodes)
     lo, hi, runs = 1, len(nodes), 0
-    probe = Job(job.graph, f"{job.id}.bisect", f".bisect.{job.key}.onnx", [], [])
+    probe = Job(job.graph, f"{job.id}.bisect", f".bisect.{job.key}.onnx", ["x"], [[1, 4]])
     try:
+        onnx.save(_trivial_graph(graph.opset), out / probe.onnx)
+        if fails(probe):  # it fails on anything: no node of ours is to blame
+            return {"method": "broken", "reason": "it also fails on a trivial one-node graph (Relu)"}
         while lo < hi and runs < max_runs:
             mid = (lo + hi) // 2
             (inputs, outputs), _ = boundaries(graph, [Partition("a", "npu", nodes[:mid]), Partition("b", "npu", nodes[mid:])])
@@ -233,34 +251,123 @@ def bisect(out: Path, job: Job, fails, max_runs: int) -> dict:
     return {"method": "bisect", "runs": runs, "nodes": [n.name for n in culprits], "ops": sorted({n.op for n in culprits})}
 
 
+def _trivial_graph(opset: int) -> onnx.ModelProto:
+    """y = Relu(x), x float [1,4]: any working converter converts it."""
+    h = onnx.helper
+    x = h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 4])
+    y = h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1, 4])
+    graph = h.make_graph([h.make_node("Relu", ["x"], ["y"], name="mtkc_probe_relu")], "mtkc_probe", [x], [y])
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", opset)], ir_version=8)
+
+
 def _fails(backend: Backend, probe: Job, out: Path, context: dict) -> bool:
     """Converter as an oracle on a bisection probe; its outputs are removed."""
-    code, _ = _execute(backend, probe, out, context)
+    code, _, broken = _execute(backend, probe, out, context)
     for key in ("dla", "tflite"):
         (out / probe.values()[key]).unlink(missing_ok=True)
-    return code != 0
+    return code != 0 or bool(broken)
 
 
-def _execute(backend: Backend, job: Job, out: Path, context: dict) -> tuple[int, str]:
-    """Run every step for one job; the log text holds each command, its output and exit code."""
+def _execute(backend: Backend, job: Job, out: Path, context: dict) -> tuple[int, str, str]:
+    """Run every step for one job: (exit code, log text with each command, its output and exit code,
+    why the converter itself is broken or "")."""
     values = {**context, **job.values()}
     lines = []
     for step in backend.steps:
         argv = [token.format_map(values) for token in step]
         lines.append(f"$ {shlex.join(argv)}")
         try:
-            proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace", cwd=out)
+            code, text = _run_bounded(argv, out, context["timeout"])
         except OSError as exc:
             lines.append(f"cannot run {argv[0]}: {exc.strerror or exc}")
-            return 127, "\n".join(lines) + "\nexit code: 127\n"
-        lines.append(proc.stdout.rstrip("\n"))
-        lines.append(f"exit code: {proc.returncode}")
-        if proc.returncode != 0:
-            return proc.returncode, "\n".join(lines) + "\n"
+            return 127, "\n".join(lines) + "\nexit code: 127\n", ""
+        if not out.is_dir():
+            raise InputError(f"the converter command '{argv[0]}' removed its working folder (the staging folder "
+                             "of OUT); nothing was written")
+        lines.append(text.rstrip("\n"))
+        if code is None:
+            lines.append(f"timed out after {context['timeout']:g} s: process group killed")
+            return 124, "\n".join(lines) + "\n", f"it ran past --converter-timeout {context['timeout']:g} s"
+        lines.append(f"exit code: {code}")
+        if code != 0:
+            return code, "\n".join(lines) + "\n", ""
     if not (out / f"dla/{job.key}.dla").exists() and any("{output}" in t or "{dla}" in t for s in backend.steps for t in s):
         lines.append("converter exited 0 but wrote no output file")
-        return 1, "\n".join(lines) + "\n"
-    return 0, "\n".join(lines) + "\n"
+        return 1, "\n".join(lines) + "\n", f"it exited 0 without writing {job.values()['dla']}"
+    return 0, "\n".join(lines) + "\n", ""
+
+
+def _run_bounded(argv: list[str], cwd: Path, timeout: float) -> tuple[int | None, str]:
+    """Run `argv` in its own process group: (exit code or None on timeout, head + tail of its output).
+
+    Whatever happens (timeout, Ctrl-C, SIGTERM raised as KeyboardInterrupt), the whole group is
+    killed before this returns or raises, so no converter process outlives mtkc.
+    """
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            cwd=cwd, start_new_session=True)
+    LIVE_GROUPS.add(proc.pid)
+    log = _BoundedLog()
+    deadline = time.monotonic() + timeout
+    fd = proc.stdout.fileno()
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None, log.text()
+            ready = select.select([fd], [], [], min(left, 0.2))[0]
+            if ready:
+                chunk = os.read(fd, 1 << 16)
+                if chunk:
+                    log.add(chunk)
+                    continue
+                break  # EOF: every writer is gone
+            if proc.poll() is not None:  # it exited; a child it left may hold the pipe open
+                while select.select([fd], [], [], 0)[0] and (chunk := os.read(fd, 1 << 16)):
+                    log.add(chunk)
+                break
+        try:
+            code = proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return None, log.text()
+        return code, log.text()
+    finally:
+        _kill_group(proc)
+        proc.stdout.close()
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group of `proc` (the converter and anything it started) and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+    LIVE_GROUPS.discard(proc.pid)
+
+
+class _BoundedLog:
+    """The first LOG_HEAD and the last LOG_TAIL bytes of a stream, and how many were dropped between."""
+
+    def __init__(self):
+        self.head = bytearray()
+        self.tail: collections.deque[bytes] = collections.deque()
+        self.tail_bytes = self.dropped = 0
+
+    def add(self, chunk: bytes) -> None:
+        room = max(0, LOG_HEAD - len(self.head))
+        self.head += chunk[:room]
+        chunk = chunk[room:]
+        if chunk:
+            self.tail.append(chunk)
+            self.tail_bytes += len(chunk)
+            while self.tail_bytes - len(self.tail[0]) >= LOG_TAIL:
+                first = self.tail.popleft()
+                self.tail_bytes -= len(first)
+                self.dropped += len(first)
+
+    def text(self) -> str:
+        gap = f"\n[... {self.dropped} bytes of converter output omitted ...]\n" if self.dropped else ""
+        return (bytes(self.head) + gap.encode() + b"".join(self.tail)).decode("utf-8", errors="replace")
 
 
 def _write_script(path: Path, backend: Backend, todo: list[Job], context: dict) -> None:
@@ -321,6 +428,9 @@ def _summary(o: Outcome) -> dict:
 def _error(failed: list[Outcome]) -> ConverterError:
     first = failed[0]
     more = f"; {len(failed) - 1} more partition(s) failed" if len(failed) > 1 else ""
+    if first.blame.get("method") == "broken":
+        return ConverterError(f"the converter is broken, not a node: on partition {first.job.graph}/{first.job.id} "
+                              f"{first.blame['reason']} (exit {first.exit_code}); see {first.log}{more}")
     nodes = first.blame.get("nodes", [])
     if not nodes:
         return ConverterError(f"converter failed on partition {first.job.graph}/{first.job.id} "

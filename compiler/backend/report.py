@@ -17,6 +17,7 @@ from collections import Counter
 import onnx_graphsurgeon as gs
 
 from mtkc.backend.partition import CPU, NPU, Partition, Placement
+from mtkc.display import escape, md_code
 
 NPU_COLOR = "#2e7d32"
 COLORS = {  # CPU reason -> background colour; anything else: CPU_COLOR
@@ -70,7 +71,7 @@ def markdown(manifest: dict, report: dict) -> str:
     """report.md: summary, converter, per-graph partitions and CPU nodes, pass log."""
     sdk, arch = manifest.get("sdk"), manifest.get("arch")
     source = (report.get("input") or {}).get("file") or "model"
-    lines = [f"# mtkc compile report: {source}", "", f"NeuroPilot SDK {sdk}, arch {arch}.", "", "## Summary", ""]
+    lines = [f"# mtkc compile report: {escape(source)}", "", f"NeuroPilot SDK {sdk}, arch {arch}.", "", "## Summary", ""]
     crossings = {g["name"]: sum(1 for p in g.get("partitions", []) for i in p["inputs"] if i.get("from", "graph") != "graph")
                  for g in manifest.get("graphs", [])}
     lines += _table(["graph", "nodes", "NPU", "CPU", "NPU coverage", "partitions (NPU / CPU)", "tensors handed between partitions"], [
@@ -85,9 +86,9 @@ def markdown(manifest: dict, report: dict) -> str:
     lines += ["", "## Converter", "", _converter(manifest.get("converter") or report.get("converter"))]
     for graph in manifest.get("graphs", []):
         facts = report.get("placement", {}).get(graph["name"])
-        lines += ["", f"## Graph `{graph['name']}` ({graph['path']})", "", "### Partitions (execution order)", ""]
+        lines += ["", f"## Graph {md_code(graph['name'])} ({escape(graph['path'])})", "", "### Partitions (execution order)", ""]
         lines += _table(["id", "target", "nodes", "inputs", "outputs", "file"], [
-            [p["id"], p["target"].upper(), len(p["nodes"]), _names(p["inputs"]), _names(p["outputs"]), f"`{p['path']}`"]
+            [p["id"], p["target"].upper(), len(p["nodes"]), _names(p["inputs"]), _names(p["outputs"]), md_code(p["path"])]
             for p in graph.get("partitions", [])])
         if facts and facts["cpu"]:
             lines += ["", "### CPU nodes by reason", ""]
@@ -95,7 +96,7 @@ def markdown(manifest: dict, report: dict) -> str:
             lines += _table(["op", "reason", "count", "remedy"], [[op, r, k, rem] for (op, r, rem), k in groups.items()])
             lines += ["", "### CPU nodes", ""]
             lines += _table(["node", "op", "partition", "reason", "detail"],
-                            [[f"`{c['node']}`", c["op"], c["partition"], c["reason"], c["detail"]] for c in facts["cpu"]])
+                            [[md_code(c["node"]), c["op"], c["partition"], c["reason"], c["detail"]] for c in facts["cpu"]])
     passes = report.get("passes") or manifest.get("passes") or []
     if passes:
         lines += ["", "## Passes", ""]
@@ -109,26 +110,27 @@ def _converter(section: dict | None) -> str:
     if not section:
         return "No converter hand-off recorded."
     if not section.get("ran"):
-        return f"Not run: {section.get('reason', '')}. The exact commands are in `{section.get('script')}`."
+        return f"Not run: {escape(section.get('reason', ''))}. The exact commands are in `{section.get('script')}`."
     items = section.get("partitions", [])
     failed = [p for p in items if p["exit_code"] != 0]
     text = f"Ran `{section.get('backend')}` on {len(items)} NPU partition(s): {len(items) - len(failed)} converted"
     text += f", {len(failed)} failed." if failed else "."
     for p in failed:
         blame = p.get("blame") or {}
-        nodes = ", ".join(f"`{n}`" for n in blame.get("nodes", [])[:5]) or "unknown node"
-        text += f"\n- {p['graph']}/{p['id']}: exit {p['exit_code']}, {nodes} ({blame.get('method', '?')}); log `{p['log']}`"
+        nodes = ", ".join(md_code(n) for n in blame.get("nodes", [])[:5]) or "unknown node"
+        text += (f"\n- {escape(p['graph'])}/{escape(p['id'])}: exit {p['exit_code']}, {nodes} "
+                 f"({escape(blame.get('method', '?'))}); log {md_code(p['log'])}")
     return text
 
 
 def _names(items: list[dict], limit: int = 4) -> str:
-    names = [f"`{i['name']}`" for i in items]
+    names = [md_code(i["name"]) for i in items]
     return ", ".join(names[:limit]) + (f" (+{len(names) - limit})" if len(names) > limit else "")
 
 
 def _table(header: list[str], rows: list[list]) -> list[str]:
     def cell(value) -> str:
-        return str(value).replace("|", "\\|").replace("\n", " ")
+        return escape(value).replace("|", "\\|")
 
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + [
         "| " + " | ".join(cell(v) for v in row) + " |" for row in rows]

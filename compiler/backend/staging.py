@@ -8,6 +8,11 @@ The swap is one `renameat2(RENAME_EXCHANGE)` on Linux (OUT never missing, not ev
 instant); elsewhere two renames, putting the previous OUT back if the second fails. A process
 killed with SIGKILL cannot clean up: its staging folder carries its pid and is removed by the
 next run into the same parent once that pid is gone.
+
+Only a folder mtkc wrote is ever replaced (`check_target`): its manifest.json has mtkc's keys
+and every entry in it is one mtkc writes; anything else is an InputError naming the folder, so
+`--overwrite` can never delete a file of the user's. The user's disk (read-only, full, `-o`
+under a file) is an InputError too, never a crash.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,25 +32,137 @@ from mtkc.errors import InputError
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
+MARK = "mtkc"  # manifest key (mtkc's version) that, with schema_version, marks a folder mtkc wrote
+# Entries of an OUT folder that mtkc writes besides the paths its manifest names.
+_WRITTEN = re.compile(r"(manifest\.json|report\.json|report\.md|convert\.sh|weights\.bin|[^/]+\.placement\.json"
+                      r"|[^/]+\.onnx|(logs|dla|host|calibration)(/.*)?)")
+# errno values that describe the user's disk or path, not a bug: an InputError naming OUT.
+_DISK_ERRORS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
+                errno.EEXIST, errno.ENAMETOOLONG, errno.EISDIR, errno.EFBIG, errno.EMLINK, errno.ELOOP,
+                errno.ENOENT, errno.EXDEV, errno.EBUSY}
 
 
 @contextlib.contextmanager
 def staged(out: Path, overwrite: bool) -> Iterator[Path]:
     """Yield an empty staging folder beside `out`; on normal exit it becomes `out`."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale(out)
-    stage = Path(tempfile.mkdtemp(prefix=f"{_prefix(out)}{os.getpid()}-", dir=out.parent))
+    given, out = out, Path(os.path.abspath(out))  # `-o .`: a name to stage beside
+    check_target(out, overwrite, given)
+    with disk_errors(given):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale(out)
+        stage = Path(tempfile.mkdtemp(prefix=f"{_prefix(out)}{os.getpid()}-", dir=out.parent))
+    _LIVE_STAGES.add(stage)
     try:
-        yield stage
-        if out.exists():
-            if not overwrite:
-                raise InputError(f"{out}: exists; pass --overwrite to replace it")
-            _swap(stage, out)  # stage now holds the previous OUT, removed below
-        else:
-            os.rename(stage, out)
+        with disk_errors(given):
+            yield stage
+            check_target(out, overwrite, given)  # again: it may have appeared or changed meanwhile
+            if os.path.lexists(out):
+                _swap(stage, out)  # stage now holds the previous OUT, removed below
+            else:
+                os.rename(stage, out)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+        _LIVE_STAGES.discard(stage)
+
+
+def check_target(out: Path, overwrite: bool, given: object = None) -> None:
+    """OUT may be written: absent, or (with `overwrite`) a folder mtkc wrote. Else InputError."""
+    shown = given if given is not None else out
+    out = Path(os.path.abspath(out))
+    if not os.path.lexists(out):
+        return
+    if out.is_symlink() or not out.is_dir():
+        raise InputError(f"{shown}: exists and is not a folder")
+    if not overwrite:
+        raise InputError(f"{shown}: exists; pass --overwrite to replace it")
+    foreign = foreign_entry(out)
+    if foreign is not None:
+        raise InputError(f"{shown}: not a folder mtkc wrote ({foreign}); --overwrite only replaces mtkc output, "
+                         "choose another -o")
+
+
+def foreign_entry(out: Path) -> str | None:
+    """Why `out` is not an mtkc output folder (the first entry mtkc would not have written), or None."""
+    if not any(out.iterdir()):
+        return None  # an empty folder: nothing to lose
+    try:
+        manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "no readable manifest.json"
+    if not isinstance(manifest, dict) or "schema_version" not in manifest or MARK not in manifest:
+        return "manifest.json is not mtkc's"
+    listed = _listed_paths(manifest)
+    for path in sorted(out.rglob("*")):  # rglob does not follow symlinked folders
+        entry = path.relative_to(out).as_posix()
+        if path.is_symlink() or not (path.is_dir() or entry in listed or _WRITTEN.fullmatch(entry)):
+            return f"holds '{entry}'"
+    return None
+
+
+def _listed_paths(manifest: dict) -> set[str]:
+    """Every `path` the manifest names (graphs, partitions, host tables), as given."""
+    found: set[str] = set()
+    stack = [manifest.get("graphs"), manifest.get("host")]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if isinstance(item.get("path"), str):
+                found.add(item["path"])
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return found
+
+
+@contextlib.contextmanager
+def disk_errors(out: object) -> Iterator[None]:
+    """An OSError of the user's file system (read-only, full, not a folder...) -> InputError naming `out`."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in _DISK_ERRORS:
+            raise
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(out) else ""
+        raise InputError(f"{out}: cannot write the output folder: {exc.strerror or exc}{where}") from None
+
+
+_LIVE_STAGES: set[Path] = set()  # staging folders of this process, removed on a hard exit
+LIVE_GROUPS: set[int] = set()  # converter process groups running now (`mtkc.backend.handoff`)
+
+
+def interrupts_unwind() -> None:
+    """SIGTERM unwinds like Ctrl-C (KeyboardInterrupt), so staging folders are removed and converter
+    process groups killed on the way out. A second signal (code that swallowed the first, e.g. a
+    plugin looping in `except:`) removes them at once and exits 130."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    seen = []
+
+    def interrupt(signum, frame):
+        if seen:
+            _hard_exit()
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def _hard_exit() -> None:
+    import signal
+    import sys
+
+    for group in list(LIVE_GROUPS):
+        with contextlib.suppress(OSError):
+            os.killpg(group, signal.SIGKILL)
+    for stage in list(_LIVE_STAGES):
+        shutil.rmtree(stage, ignore_errors=True)
+    sys.stderr.write("mtkc: interrupted\n")
+    sys.stderr.flush()
+    os._exit(130)
 
 
 def _prefix(out: Path) -> str:

@@ -29,6 +29,7 @@ from mtkc.backend.partition import (
     unmatched,
 )
 from mtkc.errors import PassError
+from mtkc.ir.graph_utils import Names
 
 log = logging.getLogger("mtkc")
 
@@ -63,6 +64,7 @@ def split(
     force_npu: Sequence[str] | None = None,
 ) -> Split:
     """Name nodes, place them (table verdicts + user patterns), partition, cut: compile's one call."""
+    produce_constant_outputs(graph)
     name_nodes(graph)
     cpu_patterns = parse_patterns(force_cpu, "--force-cpu")
     npu_patterns = parse_patterns(force_npu, "--force-npu")
@@ -70,6 +72,21 @@ def split(
         log.warning("mtkc: pattern '%s' matches no node of graph '%s'", pattern, graph_name)
     parts, placements = partition(graph, place(graph, verdict, cpu_patterns, npu_patterns), min_partition_nodes or 1)
     return Split(parts, placements, cut(graph, parts, placements, graph_name))
+
+
+def produce_constant_outputs(graph: gs.Graph) -> None:
+    """A graph output that is a constant gets a producer (`Identity`), so a partition makes it:
+    partitions hand tensors on by name, and no partition would otherwise output it."""
+
+    names = None
+    for k, t in enumerate(graph.outputs):
+        if isinstance(t, gs.Constant):
+            names = names or Names(graph)
+            name = t.name
+            t.name = names.new(f"{name}/value")
+            out = gs.Variable(name, dtype=t.dtype, shape=list(t.shape))
+            graph.nodes.append(gs.Node("Identity", names.new(f"{name}/identity"), inputs=[t], outputs=[out]))
+            graph.outputs[k] = out
 
 
 def boundaries(graph: gs.Graph, parts: list[Partition]) -> list[tuple[list[gs.Variable], list[gs.Variable]]]:
@@ -121,6 +138,7 @@ def cut(graph: gs.Graph, parts: list[Partition], placements: dict[str, Placement
             opset=graph.opset,
             import_domains=graph.import_domains,
             producer_name="mtkc",
+            functions=used_functions(graph, part.nodes),
         )
         entry = {
             "id": part.id,
@@ -134,6 +152,23 @@ def cut(graph: gs.Graph, parts: list[Partition], placements: dict[str, Placement
             entry["cpu_reasons"] = {n.name: _reason(placements[n.name]) for n in part.nodes}
         pieces.append(Piece(entry, sub))
     return pieces
+
+
+def used_functions(graph: gs.Graph, nodes: Sequence[gs.Node]) -> list[gs.Function]:
+    """The model-local functions `nodes` call, directly or through other functions (file order)."""
+    by_key = {(f.domain, f.name): f for f in graph.functions}
+    used: set[tuple[str, str]] = set()
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        key = (node.domain or "", node.op)
+        if key in by_key and key not in used:
+            used.add(key)
+            stack.extend(by_key[key].nodes)
+        for value in node.attrs.values():
+            if isinstance(value, gs.Graph):
+                stack.extend(value.nodes)
+    return [f for f in graph.functions if (f.domain, f.name) in used]
 
 
 def _static(t: gs.Variable) -> bool:

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from mtkc.commands import options
+from mtkc.display import escape
 from mtkc.pipeline.check import CheckReport, check
 
 EXAMPLES = 3  # example node names per row in the text table
@@ -46,7 +47,7 @@ def render(report: CheckReport) -> str:
     a = report.assessment
     compiled = "n/a" if report.coverage_compiled is None else f"{report.coverage_compiled:.1%}"
     lines = [
-        f"model       {report.model}",
+        f"model       {escape(report.model)}",
         f"target      NeuroPilot {report.sdk} / {report.arch}",
         f"verdict     {report.verdict} after compile's pipeline (GOOD: largest NPU partition > 75% of nodes, "
         "MAYBE: > 50%, else POOR)",
@@ -66,12 +67,13 @@ def render(report: CheckReport) -> str:
         f"NPU         {a.supported} nodes; coverage {a.coverage:.1%} raw, {compiled} after passes",
     ]
     if report.unbound:
-        lines.append(f"unbound     {', '.join(report.unbound)} (bind with --seq-len/--cache-len/--batch/--input-shape)")
+        lines.append(f"unbound     {escape(', '.join(report.unbound))} (bind with --seq-len/--cache-len/--batch/--input-shape)")
     if a.groups:
         rows = [("op", "domain", "count", "reason", "detail", "remedy", "example nodes")]
         for g in a.groups:
             examples = ", ".join(g.nodes[:EXAMPLES]) + (", ..." if g.count > EXAMPLES else "")
-            rows.append((g.op, g.domain, str(g.count), g.reason, g.verdict.detail or "", report.remedy(g), examples))
+            rows.append(tuple(escape(c) for c in (g.op, g.domain, str(g.count), g.reason, g.verdict.detail or "",
+                                                  report.remedy(g), examples)))
         widths = [max(len(r[i]) for r in rows) for i in range(6)]
         lines.append("")
         for r in rows:

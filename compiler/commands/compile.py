@@ -7,6 +7,7 @@ import logging
 
 from mtkc.commands.options import add_common, add_llm, add_pipeline, add_shapes, add_target, from_args
 from mtkc.commands.partitioning import add_partitioning
+from mtkc.display import escape
 from mtkc.errors import InputError
 from mtkc.manager.pass_manager import load_registry
 from mtkc.pipeline.compile import compile_model, default_output
@@ -71,5 +72,5 @@ def explain(result, name: str) -> str:
     several = len(result.variants) > 1
     for r in records:
         lines.append(f"{name}{f' [{r.graph}]' if several else ''}: {r.rewrites} rewrites, {len(r.misses)} misses")
-        lines += [f"  {m.node}: {m.reason}" for m in r.misses]
+        lines += [f"  {escape(m.node)}: {escape(m.reason)}" for m in r.misses]
     return "\n".join(lines)

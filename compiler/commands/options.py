@@ -115,6 +115,7 @@ def from_args(args: argparse.Namespace) -> Options:
         "force_npu": given("force_npu") or None,
         "converter_cmd": given("converter_cmd"),
         "no_convert": given("no_convert") or None,
+        "converter_timeout": given("converter_timeout"),
         "overwrite": given("overwrite") or None,
     }
     config = load_config(given("config"))

@@ -17,3 +17,5 @@ def add_partitioning(parser: argparse.ArgumentParser) -> None:
                        help="convert each NPU partition with this command; placeholders {input} {output} {arch} "
                             "{sdk} {input_names} {input_shapes} (default: MediaTek's converter when installed)")
     group.add_argument("--no-convert", action="store_true", help="only write OUT/convert.sh; run no converter")
+    group.add_argument("--converter-timeout", type=float, metavar="SECONDS",
+                       help="kill a converter run (its whole process group) after this long (default 14400)")

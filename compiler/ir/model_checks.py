@@ -30,6 +30,12 @@ copies `raw_data` on every access, so for a big file the lengths of the main gra
 initializers are read from the file's wire format instead (`raw_sizes`, headers only, no data
 byte touched); any other tensor, a text-format file, or a length that disagrees uses `len()`.
 
+ONNX validity (`check_onnx`): onnx.checker on a weight-stripped copy of the proto (no weight byte
+read or copied): duplicate initializer names, missing or mistyped attributes, a Cast without
+`to`, ... are refused with the checker's reason, as onnxruntime would refuse them. Also refused:
+sparse initializers (no pass reads them), default-domain opsets onnxruntime cannot run (< 7), and
+external-data forms onnxruntime rejects (a repeated key, `basepath`, a location ending in `/`).
+
 Structure: subgraph nesting <= 32 (onnxruntime's cap); every node input is produced by a graph
 input, an initializer, an earlier-or-later node output or an enclosing scope ("" is an absent
 optional); every tensor name is produced once; no cycles (Kahn's algorithm, subgraph free
@@ -48,7 +54,7 @@ from pathlib import Path
 import onnx
 
 from mtkc.errors import InputError
-from mtkc.ir.toposort import cycle_node
+from mtkc.ir.toposort import cycle_node, kahn_order
 
 log = logging.getLogger("mtkc")
 
@@ -96,6 +102,117 @@ def validate_proto(proto: onnx.ModelProto, path: Path, root: Path) -> None:
     for tensor, where, sparse in stored_tensors(proto):
         _check_tensor(tensor, where, sparse, path, root, files, known.get(id(tensor)))
     _check_graph(proto.graph, path, [], depth=0)
+    check_onnx(proto, path)
+
+
+MIN_OPSET = 7  # onnxruntime only guarantees the default domain from opset 7 on
+_DATA_FIELDS = ("raw_data", "float_data", "int32_data", "string_data", "int64_data", "double_data",
+                "uint64_data", "external_data", "data_location")
+
+
+def check_onnx(proto: onnx.ModelProto, path: Path) -> None:
+    """onnx.checker's verdict on `proto` without its weights; refuses sparse initializers and old opsets."""
+    if proto.graph.sparse_initializer:
+        name = proto.graph.sparse_initializer[0].values.name
+        raise InputError(f"{path}: sparse initializer '{name}' is not supported; store it dense")
+    for opset in proto.opset_import:
+        if opset.domain in ("", "ai.onnx") and not MIN_OPSET <= opset.version <= onnx.defs.onnx_opset_version():
+            raise InputError(f"{path}: default-domain opset {opset.version} cannot be run by onnxruntime "
+                             f"(supported: {MIN_OPSET}..{onnx.defs.onnx_opset_version()}); convert the model's opset")
+    try:
+        onnx.checker.check_model(_stripped(proto))
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        context = next((line.removeprefix("==> Context: ") for line in lines[1:] if line.startswith("==> Context")), "")
+        raise InputError(f"{path}: invalid ONNX: {lines[0] if lines else type(exc).__name__}"
+                         + (f" ({context})" if context else "")) from None
+
+
+def _stripped(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of `proto` whose main-graph initializers, and every external tensor, are placeholder
+    scalars: no weight byte read or copied, no file opened by the checker (shapes, sizes and files
+    are checked at load), and a value whose size fits what the checker wants."""
+    copy = onnx.ModelProto()
+    _copy_fields(proto, copy, skip={"graph"})
+    _copy_fields(proto.graph, copy.graph, skip={"initializer"})
+    for tensor in proto.graph.initializer:
+        meta = copy.graph.initializer.add()
+        meta.name, meta.data_type, meta.doc_string = tensor.name, tensor.data_type, tensor.doc_string
+        _placeholder(meta)
+    for tensor, _, _ in stored_tensors(copy):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            _placeholder(tensor)
+    _sort_nodes(copy.graph)  # the checker wants topological order; onnxruntime (and mtkc) do not
+    for value in [*copy.graph.input, *copy.graph.output]:  # and a shape field (rank may be unknown)
+        if value.type.HasField("tensor_type") and not value.type.tensor_type.HasField("shape"):
+            value.type.tensor_type.shape.SetInParent()
+    _set_aside_unknown_ops(copy)
+    return copy
+
+
+def _sort_nodes(graph: onnx.GraphProto) -> None:
+    producer = {name: i for i, node in enumerate(graph.node) for name in node.output if name}
+    successors: list[list[int]] = [[] for _ in graph.node]
+    for j, node in enumerate(graph.node):
+        reads = list(node.input)
+        for attr in node.attribute:  # outer-scope names a subgraph reads are inputs of its node
+            for g in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
+                reads += [x for n in g.node for x in n.input]
+        for name in set(reads):
+            if name in producer and producer[name] != j:
+                successors[producer[name]].append(j)
+    order = kahn_order(successors)
+    if order != list(range(len(graph.node))) and len(order) == len(graph.node):
+        nodes = [graph.node[i] for i in order]
+        sorted_nodes = [type(n)() for n in nodes]
+        for new, old in zip(sorted_nodes, nodes):
+            new.CopyFrom(old)
+        del graph.node[:]
+        graph.node.extend(sorted_nodes)
+
+
+UNCHECKED_DOMAIN = "mtkc.unchecked"
+
+
+def _set_aside_unknown_ops(model: onnx.ModelProto) -> None:
+    """Default-domain ops onnx has no schema for (onnxruntime's own, e.g. SimplifiedLayerNormalization)
+    move to a domain the checker skips: whether such an op runs is the capability table's question."""
+    stack = [model.graph]
+    moved = False
+    while stack:
+        graph = stack.pop()
+        for node in graph.node:
+            if node.domain in ("", "ai.onnx") and not onnx.defs.has(node.op_type):
+                node.domain = UNCHECKED_DOMAIN
+                moved = True
+            for attr in node.attribute:
+                stack.extend([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs)
+    if moved:
+        model.opset_import.append(onnx.helper.make_opsetid(UNCHECKED_DOMAIN, 1))
+
+
+def _placeholder(tensor: onnx.TensorProto) -> None:
+    for name in _DATA_FIELDS + ("dims",):
+        tensor.ClearField(name)
+    if tensor.data_type == onnx.TensorProto.STRING:
+        tensor.string_data.append(b"")
+    else:
+        tensor.raw_data = bytes(16)  # fits a scalar of any type
+
+
+def _copy_fields(src, dst, skip: set[str]) -> None:
+    """Copy every set field of message `src` into `dst` except `skip` (never touches skipped bytes)."""
+    for fd in src.DESCRIPTOR.fields:
+        if fd.name in skip:
+            continue
+        if fd.is_repeated:
+            if len(getattr(src, fd.name)):
+                getattr(dst, fd.name).extend(getattr(src, fd.name))
+        elif fd.message_type is not None:
+            if src.HasField(fd.name):
+                getattr(dst, fd.name).CopyFrom(getattr(src, fd.name))
+        elif src.HasField(fd.name):
+            setattr(dst, fd.name, getattr(src, fd.name))
 
 
 def raw_sizes(path: Path) -> list[int | None] | None:
@@ -234,7 +351,7 @@ def location_parts(location: str) -> list[str]:
     parts = [p for p in re.split(r"[/\\]", location) if p not in ("", ".")]
     if ".." in parts:
         raise ExternalDataError(f"external data location '{location}' escapes the model folder ('..')")
-    if not parts:
+    if not parts or location.endswith(("/", "\\")):
         raise ExternalDataError(f"external data location '{location}' names no file")
     return parts
 
@@ -268,6 +385,10 @@ def external_fields(tensor: onnx.TensorProto, warn: bool = False) -> tuple[str, 
     info: dict[str, str] = {}
     unknown = []
     for entry in tensor.external_data:
+        if entry.key in info:
+            raise ExternalDataError(f"external data key '{entry.key}' is given twice")
+        if entry.key == "basepath":
+            raise ExternalDataError("external data key 'basepath' is not supported (onnxruntime refuses it)")
         if entry.key in KNOWN_KEYS:
             info[entry.key] = entry.value
         else:

@@ -21,7 +21,7 @@ def guarded(p, what: str, fn, *args):
         return fn(*args)
     except MtkcError:
         raise
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # sys.exit() in a pass is its failure, not mtkc's exit
         name = getattr(p, "name", "?")
         raise PassError(f"pass '{name}' ({describe(p if isinstance(p, type) else type(p))}) raised in {what}: "
                         f"{one_line(exc)}") from None

@@ -8,7 +8,12 @@ Checked (a violation names the pass and the tensor/node):
     or the output of a node in the graph;
   - tensor names unique;
   - once shapes are bound (every graph input static), no pass leaves a tensor it created or
-    changed without a dtype, and a pass given a fully static graph keeps it fully static.
+    changed without a dtype, and a pass given a fully static graph keeps it fully static;
+  - the graph's I/O contract (`check_io`): names (in order), dtypes and shapes of the graph
+    inputs and outputs stay as they were. A pass may only refine them (a dtype or dim that was
+    unknown or symbolic becomes concrete, as shape binding does). A pass that changes them on
+    purpose declares it: it overrides `Pass.map_feeds` (inputs) / `Pass.map_outputs` (outputs),
+    so --verify-each can still compare, or sets `Pass.changes_io = True`.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import onnx_graphsurgeon as gs
 from mtkc.errors import MtkcError, PassError
 from mtkc.ir.graph_utils import Names, cleanup
 from mtkc.ir.toposort import CycleError, toposort
+from mtkc.rewrite.pass_api import Pass
 
 
 def restore(graph: gs.Graph, pass_name: str | None = None, error: type[MtkcError] = PassError) -> None:
@@ -103,6 +109,61 @@ def check(
                 raise error(f"{stage}: tensor '{t.name}' has no dtype")
             if not dynamic and not static(t):
                 raise error(f"{stage}: tensor '{t.name}' has no static shape ({_shape_text(t)}) in a static graph")
+
+
+def io_contract(graph: gs.Graph) -> tuple[list[tuple], list[tuple]]:
+    """(inputs, outputs) as [(name, dtype, shape)]: what a caller of the graph relies on."""
+    def spec(t: gs.Tensor) -> tuple:
+        return t.name, t.dtype, None if t.shape is None else tuple(t.shape)
+
+    return [spec(t) for t in graph.inputs], [spec(t) for t in graph.outputs]
+
+
+def check_io(graph: gs.Graph, p, before: tuple[list[tuple], list[tuple]]) -> tuple[list[tuple], list[tuple]]:
+    """Raise PassError naming pass `p` when it changed the I/O contract undeclared; returns the new one."""
+
+    now = io_contract(graph)
+    declared = (getattr(p, "changes_io", False) or type(p).map_feeds is not Pass.map_feeds,
+                getattr(p, "changes_io", False) or type(p).map_outputs is not Pass.map_outputs)
+    for side, old, new, allowed in zip(("input", "output"), before, now, declared):
+        if allowed:
+            continue
+        problem = _contract_change(old, new)
+        if problem:
+            raise PassError(f"pass '{p.name}' ({p.origin}) {problem} of a graph {side} without declaring it "
+                            "(override Pass.map_feeds/map_outputs or set changes_io = True)")
+    return now
+
+
+def _contract_change(old: list[tuple], new: list[tuple]) -> str | None:
+    """What differs between two I/O lists beyond refinement, or None."""
+    if [t[0] for t in old] != [t[0] for t in new]:
+        gone = [n for n, _, _ in old if n not in {t[0] for t in new}]
+        added = [n for n, _, _ in new if n not in {t[0] for t in old}]
+        if gone:
+            return f"removed or renamed '{gone[0]}'" + (f" (now '{added[0]}')" if added else "")
+        if added:
+            return f"added '{added[0]}'"
+        return "reordered the names"
+    for (name, dtype, shape), (_, dtype2, shape2) in zip(old, new):
+        if dtype is not None and dtype2 != dtype:
+            return f"changed the dtype of '{name}' ({_dtype_text(dtype)} -> {_dtype_text(dtype2)})"
+        if shape is not None and (shape2 is None or len(shape2) != len(shape)
+                                  or any(_concrete(a) and a != b for a, b in zip(shape, shape2))):
+            return f"changed the shape of '{name}' ({_dims(shape)} -> {_dims(shape2)})"
+    return None
+
+
+def _concrete(d) -> bool:
+    return isinstance(d, Integral) and d >= 0
+
+
+def _dims(shape) -> str:
+    return "unknown" if shape is None else "[" + ",".join(str(d) for d in shape) + "]"
+
+
+def _dtype_text(dtype) -> str:
+    return getattr(dtype, "__name__", None) or str(dtype)
 
 
 def _stage(pass_name: str | None) -> str:

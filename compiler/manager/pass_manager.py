@@ -104,7 +104,7 @@ def builtin_passes() -> dict[str, type[Pass]]:
             importlib.import_module(module)
         except MtkcError:
             raise
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # sys.exit() in a plugin is its failure, not mtkc's exit
             raise PassError(f"built-in pass module {module} failed to import: {one_line(exc)}") from None
     rank = {module: i for i, module in enumerate(modules)}
     builtins = [(name, cls) for name, cls in REGISTRY.items() if cls.__module__ in rank]
@@ -131,7 +131,7 @@ def load_plugin(spec: str) -> dict[str, type[Pass]]:
                 importlib.import_module(spec)
         except MtkcError:
             raise
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # sys.exit() in a plugin is its failure, not mtkc's exit
             raise PassError(f"{origin} failed to import: {one_line(exc)}") from None
     if not found:
         raise PassError(f"{origin} registers no pass (decorate a Pass subclass with @mtkc.rewrite.pass_api.register)")
@@ -155,7 +155,7 @@ def _load_entry_point(ep: importlib.metadata.EntryPoint) -> type[Pass]:
             cls = ep.load()
         except MtkcError:
             raise
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # sys.exit() in a plugin is its failure, not mtkc's exit
             raise PassError(f"pass '{ep.name}' ({origin}) failed to load: {one_line(exc)}") from None
     if not (isinstance(cls, type) and issubclass(cls, Pass)) or cls.name != ep.name:
         raise PassError(f"entry point '{ep.name}' ({origin}) must name a Pass subclass whose name is '{ep.name}'")
@@ -257,6 +257,7 @@ def run_pipeline(
     invariants.check(graph, None, error=InputError)
     verifier = EachVerifier(graph, ctx, seed) if verify_each else None
     records = []
+    contract = invariants.io_contract(graph)  # names, dtypes, shapes of graph inputs/outputs
     after = None  # loose tensors after the previous pass, when known (nothing below edits the graph)
     for p in pipeline.passes:
         nodes_before = len(graph.nodes)
@@ -271,6 +272,7 @@ def run_pipeline(
             _fill_types(graph, ctx.root)  # type what the pass left untyped; still loose -> PassError
             after = None
         invariants.check(graph, p.name, loose)
+        contract = invariants.check_io(graph, p, contract)  # undeclared I/O change -> PassError
         record = PassRecord(
             p.name, p.origin, result.rewrites, nodes_before, len(graph.nodes),
             time.perf_counter() - start, list(result.misses), list(result.notes),

@@ -24,7 +24,7 @@ import onnx_graphsurgeon as gs
 from mtkc import __version__
 from mtkc.backend import manifest
 from mtkc.backend.deliver import finish
-from mtkc.backend.staging import staged
+from mtkc.backend.staging import check_target, staged
 from mtkc.errors import InputError
 from mtkc.ir.model import Model, external_info, load
 from mtkc.ir.weights import WeightWriter
@@ -95,7 +95,8 @@ def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.Pat
     with staged(out, options.overwrite) as stage:  # OUT: all of this, or the previous OUT
         _write(stage, variants, data, tables, model.root)
         error = finish(stage, data, report, {v.name: (v.graph, v.split) for v in variants}, model.path,
-                       getattr(table, "converter", None), options.converter_cmd, options.no_convert)
+                       getattr(table, "converter", None), options.converter_cmd, options.no_convert,
+                       options.converter_timeout)
     if error is not None:
         raise error  # exit 3 after the rename: OUT is complete, its logs/ say what the converter said
     return CompileResult(out, data, report, [r for v in variants for r in v.compiled.records], variants, result)
@@ -148,10 +149,7 @@ def _check_out(out: Path, model: Model, overwrite: bool) -> None:
     for item in inputs:
         if target == item or target in item.parents:
             raise InputError(f"{out}: output folder overlaps the input model ({item.name}); choose another -o")
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
-        raise InputError(f"{out}: exists and is not a folder")
-    if out.exists() and not overwrite:
-        raise InputError(f"{out}: exists; pass --overwrite to replace it")
+    check_target(out, overwrite)  # exists: only a folder mtkc wrote, with --overwrite
 
 
 def _external_files(model: Model) -> list[Path]:

@@ -29,17 +29,17 @@ Outputs: same name, or `present.i.key` <-> `present_key_i` (compiled may hold on
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-import onnx
 
 from mtkc.backend.manifest import sha256
+from mtkc.backend.outdir import check_graph_file, confined, load_table, read_manifest
 from mtkc.contract import exporters, io
 from mtkc.contract import mask as contract_mask
 from mtkc.contract.positions import rope_rows
+from mtkc.display import escape
 from mtkc.errors import InputError, MismatchError
 from mtkc.ir.compare import compare
 from mtkc.ir.execute import session
@@ -113,13 +113,7 @@ class Result:
 
 
 def load_manifest(out: Path) -> dict:
-    path = Path(out) / "manifest.json"
-    if not path.is_file():
-        raise InputError(f"{path}: no manifest (is {out} an mtkc compile output?)")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    return read_manifest(out)  # shape checked, every path confined to OUT
 
 
 def original_path(manifest: dict, out: Path, override: str | Path | None = None) -> Path:
@@ -137,10 +131,7 @@ def original_path(manifest: dict, out: Path, override: str | Path | None = None)
 
 def load_session(path: Path):
     """An ORT CPU session for an ONNX file, external data resolved beside it."""
-    try:
-        proto = onnx.load(str(path), load_external_data=False)
-    except Exception as exc:
-        raise InputError(f"{path}: cannot load ({type(exc).__name__})") from None
+    proto = check_graph_file(path)  # external data inside its folder and within the files
     return session(proto, path.parent)
 
 
@@ -190,10 +181,7 @@ class Host:
     def from_manifest(cls, manifest: dict, out: Path) -> "Host":
         tables = {}
         for name, entry in (manifest.get("host") or {}).items():
-            path = Path(out) / entry["path"]
-            if not path.is_file():
-                raise InputError(f"{path}: host table '{name}' listed in the manifest is missing")
-            tables[name] = np.load(path, mmap_mode="r", allow_pickle=False)
+            tables[name] = load_table(confined(out, entry["path"], f"host table '{name}'"))
         return cls(tables.get("embedding"), tables.get("rope"), contract_mask.value_of(manifest.get("options")))
 
 
@@ -408,11 +396,11 @@ def _record(worst: dict, skipped: list, graph: str, pipeline: str, name: str, va
 def format_text(result: Result) -> str:
     rows = [("graph", "pipeline", "output", "max abs", "max rel", "cosine", "status")]
     for c in result.checks:
-        rows.append((c.graph, c.pipeline, c.output, f"{c.max_abs:.3g}", f"{c.max_rel:.3g}", f"{c.cosine:.6f}",
-                     "ok" if c.ok else "MISMATCH"))
+        rows.append((escape(c.graph), c.pipeline, escape(c.output), f"{c.max_abs:.3g}", f"{c.max_rel:.3g}",
+                     f"{c.cosine:.6f}", "ok" if c.ok else "MISMATCH"))
     widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    lines += [f"skipped: {s}" for s in result.skipped]
+    lines += [f"skipped: {escape(s)}" for s in result.skipped]
     for g in result.generations:
         lines.append(f"generate  prompt {g.prompt_len} tokens: {g.steps} logits rows, max abs {g.max_abs:.3g}, "
                      f"min cosine {g.cosine:.6f}; tokens {'equal' if g.expected == g.actual else 'DIFFER'} "

@@ -96,6 +96,8 @@ class Pass:
       idempotent  False if running it twice may rewrite again (the idempotency test skips it)
       after       for plugin passes: the pass after which it runs in the default pipeline
                   (appended at the end when unset or absent)
+      changes_io  True if it may change graph inputs/outputs (names, dtypes, shapes) without
+                  overriding map_feeds/map_outputs; else the manager refuses such a change
     `origin` is filled in by the registry: "built-in", "plugin <file or module>",
     or "<distribution> <version>" for an entry point.
     """
@@ -105,6 +107,7 @@ class Pass:
     origin: str = "built-in"
     idempotent: bool = True
     after: str | None = None
+    changes_io: bool = False
 
     def applies(self, ctx: Context) -> bool:
         return True

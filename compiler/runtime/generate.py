@@ -17,7 +17,6 @@ Chunks (`prefill_0..N-1`) run in order; an input the manifest wires `from` an ea
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from mtkc.backend.outdir import check_graph_file, confined, load_table, read_manifest
 from mtkc.contract import cache as layouts
 from mtkc.contract import io, mask, positions
 from mtkc.errors import InputError
@@ -63,9 +63,7 @@ class Generator:
     def __init__(self, out_dir: str | Path, mask_value: float | None = None):
         self.root = Path(out_dir)
         path = self.root / "manifest.json"
-        if not path.is_file():
-            raise InputError(f"{path}: no manifest.json (is this an `mtkc compile` output folder?)")
-        manifest = json.loads(path.read_text())
+        manifest = read_manifest(self.root)  # shape checked, every path confined to OUT
         options = manifest.get("options") or {}
         self.mask_value = float(mask_value) if mask_value is not None else mask.value_of(options)
         stages: dict[str, list[tuple[int, Stage]]] = {"prefill": [], "decode": []}
@@ -81,15 +79,18 @@ class Generator:
         first = self.prefill[0].inputs
         self.embedding = self._host(manifest, "embedding", "graphs take hidden_states") if io.HIDDEN_STATES in first else None
         self.rope = self._host(manifest, "rope", "graphs take pos_emb") if io.POS_EMB in first else None
+        self.vocab = _vocab(self.embedding, self.prefill[-1])
         self.stop_reason: str | None = None
 
     def _stage(self, graph: dict) -> Stage:
-        path = self.root / graph["path"]
-        if not path.is_file():
-            raise InputError(f"{path}: graph '{graph['name']}' listed in the manifest is missing")
+        path = confined(self.root, graph["path"], f"graph '{graph['name']}'")
+        check_graph_file(path)  # weights inside OUT and within weights.bin, before onnxruntime reads them
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
-        session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        try:
+            session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        except Exception as exc:  # onnxruntime's own errors: the file was not written by this mtkc, or edited
+            raise InputError(f"{path}: does not load in onnxruntime ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
         inputs = {}
         for x in session.get_inputs():
             if not all(isinstance(d, int) for d in x.shape):
@@ -122,10 +123,7 @@ class Generator:
         entry = (manifest.get("host") or {}).get(name)
         if not entry:
             raise InputError(f"{self.root}/manifest.json: {why} but the manifest names no host table '{name}'")
-        path = self.root / entry["path"]
-        if not path.is_file():
-            raise InputError(f"{path}: host table '{name}' listed in the manifest is missing")
-        return np.load(path, mmap_mode="r")
+        return load_table(confined(self.root, entry["path"], f"host table '{name}'"))
 
     # ------------------------------------------------------------------ generation
 
@@ -142,6 +140,9 @@ class Generator:
         prompt = [int(x) for x in prompt_ids]
         if not prompt:
             raise InputError("--prompt-ids: the prompt is empty")
+        bad = next((x for x in prompt if not 0 <= x < self.vocab), None)
+        if bad is not None:
+            raise InputError(f"--prompt-ids: token id {bad} is outside the vocabulary (0..{self.vocab - 1})")
         self.reset()
         if max_new_tokens <= 0:
             return []
@@ -218,6 +219,15 @@ class Generator:
             past = io.past_of(name)
             if past in self.cache:
                 self.cache[past] = layouts.store(self.cache_io, self.cache[past], value, self.filled, k)
+
+
+def _vocab(embedding: np.ndarray | None, stage: Stage) -> int:
+    """Token ids the graphs accept: rows of the host embedding table, else the logits' last dim."""
+    if embedding is not None:
+        return int(embedding.shape[0])
+    logits = next((o for o in stage.session.get_outputs() if o.name == "logits"), None)
+    last = logits.shape[-1] if logits is not None and logits.shape else None
+    return int(last) if isinstance(last, int) and last > 0 else 2**31 - 1
 
 
 def host_tables(passes, read_values) -> dict[str, np.ndarray | Callable[[], np.ndarray]]:
