@@ -19,7 +19,7 @@ class UnmaskCache(Pass):
 
     def run(self, graph, ctx):
         mask = next((t for t in graph.inputs if t.name == "attention_mask"), None)
-        cache = ctx.options.get("cache_len")
+        cache = ctx.options.cache_len
         if mask is None or not cache:
             return PassResult()
         total = mask.shape[3]
