@@ -148,8 +148,8 @@ def apply(rule: Rule, graph: gs.Graph, ctx: Context, result: PassResult) -> int:
     result.misses += misses
     rewrites = 0
     for m in sites:
-        if rule.done(ctx, m):
-            continue
+        if any(not n.outputs for n in m.nodes) or rule.done(ctx, m):
+            continue  # (a node of the site went with an earlier rewrite)
         mark = len(graph.nodes)
         try:
             replaced = rule.rewrite(Emit(graph, rule.prefix(m)), ctx, m)
