@@ -132,10 +132,11 @@ class FoldedToPosEmb(Rule):
 
 
 def _constant_source(tensor: gs.Tensor) -> gs.Constant | None:
-    """The constant a cos/sin operand is computed from through shape-only ops, if any."""
+    """The constant a cos/sin operand is computed from through shape-only ops, if any (and still
+    read: an earlier site may have replaced a constant it shares with this one)."""
     for _ in range(4):
         if isinstance(tensor, gs.Constant):
-            return tensor
+            return tensor if tensor.outputs else None
         node = tensor.inputs[0] if len(tensor.inputs) == 1 else None
         if node is None or node.op not in ("Unsqueeze", "Reshape", "Cast", "Expand", "Identity"):
             return None

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mtkc.ir.constants import constant_of, values
+from mtkc.ir.constants import close, constant_of, values
 from mtkc.rewrite.pass_api import register
 from mtkc.rewrite.pattern import Or, Refused, Var
 from mtkc.rewrite.rules import Rule, RulePass
@@ -31,7 +31,7 @@ MS = "com.microsoft"
 
 def _alpha_one(alpha) -> bool:
     """alpha == 1"""
-    return alpha is None or abs(float(alpha) - 1.0) < 1e-6
+    return alpha is None or close(np.asarray(alpha), 1.0)
 
 
 def _gated(op):

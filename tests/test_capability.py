@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -365,3 +367,11 @@ def test_remedy_marks_unregistered_passes_as_planned():
         "pass no-such-pass (planned); pass rope; --sdk 8.0; a hint"
     assert capability.remedy_text(("no-such-pass",), None) == "pass no-such-pass"  # no registry given: no marking
     assert capability.remedy_text((), None) == "CPU fallback"
+
+
+def test_tables_import_no_pass_module():
+    """The target layer sits below the passes: loading and judging never imports one."""
+    code = ("import sys; from mtkc.target.capability import load_table; load_table('8.0'); "
+            "print(sorted(m for m in sys.modules if m.startswith(('mtkc.passes', 'mtkc.manager', 'mtkc.rewrite'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -61,10 +61,11 @@ class Rule:
         return True
 
     def pattern(self, op: Builder) -> Pattern | None:
+        """Built once per rule class, with the pattern builder."""
         return None
 
     def start(self, graph: gs.Graph, ctx: Context) -> None:
-        """Called once before the anchors are visited (graph-wide analysis)."""
+        """Called before the anchors are visited (graph-wide analysis, e.g. one evaluation for all sites)."""
 
     def check(self, ctx: Context, m: Match) -> None:
         """Raise Refused when the matched site must not be rewritten."""
@@ -112,8 +113,9 @@ def _miss(anchor: gs.Node, why: Refused) -> Miss:
 
 
 def find(rule: Rule, graph: gs.Graph, ctx: Context | None = None) -> tuple[list[Match], list[Miss]]:
-    """The sites of `rule` (matched and checked) and a miss for every other anchor."""
+    """The sites of `rule` (matched and checked) and a miss for every other anchor; changes nothing."""
     ctx = ctx or Context(None)
+    rule.start(graph, ctx)
     pattern, read = _pattern(rule), ctx.read_values
     sites, misses, covered = [], [], set()
     for node in list(graph.nodes):
@@ -142,13 +144,12 @@ def apply(rule: Rule, graph: gs.Graph, ctx: Context, result: PassResult) -> int:
     """Rewrite every site of `rule`; adds rewrites, misses and a note to `result`."""
     if not rule.applies(ctx):
         return 0
-    rule.start(graph, ctx)
     sites, misses = find(rule, graph, ctx)
     result.misses += misses
     rewrites = 0
     for m in sites:
-        if rule.done(ctx, m):
-            continue
+        if any(not n.outputs for n in m.nodes) or rule.done(ctx, m):
+            continue  # (a node of the site went with an earlier rewrite)
         mark = len(graph.nodes)
         try:
             replaced = rule.rewrite(Emit(graph, rule.prefix(m)), ctx, m)
