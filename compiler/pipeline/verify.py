@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 
 from mtkc.backend.manifest import sha256
 from mtkc.contract import exporters, io
@@ -43,6 +44,7 @@ from mtkc.contract.positions import rope_rows
 from mtkc.errors import InputError, MismatchError
 from mtkc.ir.execute import session
 from mtkc.pipeline.oracle import NEW_TOKENS, Generation, Original, compare_generation, prompts
+from mtkc.runtime.sessions import Sessions
 
 DYNAMIC_SEQ = 8  # tokens per sample when the compiled graph leaves the sequence length open
 
@@ -134,7 +136,17 @@ def original_path(manifest: dict, out: Path, override: str | Path | None = None)
 
 
 def load_session(path: Path):
-    """An ORT CPU session for an ONNX file, external data resolved beside it."""
+    """An ORT CPU session for an ONNX file, external data resolved beside it.
+
+    From the path when onnxruntime takes it as is (it maps external data, no copy in Python); a
+    model whose external data it refuses (a Hugging Face cache layout) goes through `session`."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception:  # onnxruntime's own error types; the proto route below names the problem
+        pass
     try:
         proto = onnx.load(str(path), load_external_data=False)
     except Exception as exc:
@@ -142,20 +154,21 @@ def load_session(path: Path):
     return session(proto, path.parent)
 
 
-def run_partitions(out: Path, graph: dict, feeds: dict[str, np.ndarray], sessions: dict | None = None) -> dict[str, np.ndarray]:
+def run_partitions(out: Path, graph: dict, feeds: dict[str, np.ndarray], sessions: Sessions | None = None) -> dict[str, np.ndarray]:
     """Run the partitions in manifest order, each fed by name from the graph inputs and earlier partitions."""
-    sessions = {} if sessions is None else sessions
+    sessions = Sessions(out, optimize=False) if sessions is None else sessions
     env = dict(feeds)
     for part in graph["partitions"]:
         missing = [i["name"] for i in part["inputs"] if i["name"] not in env]
         if missing:
             raise InputError(f"manifest: partition {graph['name']}/{part['id']} input '{missing[0]}' is made by no earlier partition")
         path = Path(out) / part["path"]
-        if path not in sessions:
-            sessions[path] = _guarded(lambda: load_session(path), f"partition {graph['name']}/{part['id']}")
+        if not path.is_file():
+            raise InputError(f"{path}: partition {graph['name']}/{part['id']} listed in the manifest is missing")
+        session = _guarded(lambda: sessions.get(path), f"partition {graph['name']}/{part['id']}")
         names = [o["name"] for o in part["outputs"]]
         feeds_ = {i["name"]: env[i["name"]] for i in part["inputs"]}
-        env.update(zip(names, _guarded(lambda: sessions[path].run(names, feeds_), f"partition {graph['name']}/{part['id']}")))
+        env.update(zip(names, _guarded(lambda: session.run(names, feeds_), f"partition {graph['name']}/{part['id']}")))
     return {o["name"]: env[o["name"]] for o in graph["outputs"]}
 
 
@@ -343,22 +356,26 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
     original_outputs = [o.name for o in reference.get_outputs()]
     worst: dict[tuple, Check] = {}
     skipped: list[str] = []
-    sessions: dict = {}
     host = Host.from_manifest(manifest, out)
-    generations = run_oracle(out, manifest, reference, new_tokens, skipped, atol, rtol, min_cosine)
-    for chain in chains(manifest.get("graphs", [])):
-        wholes = {g["name"]: _guarded(lambda: load_session(out / g["path"]), f"graph {g['path']}") for g in chain}
-        wired = {(i["from"]["graph"], i["from"]["output"]) for g in chain for i in g["inputs"] if i.get("from")}
-        host_inputs: dict[str, dict] = {}  # the chain's inputs that the host builds, first spec per name
-        for g in chain:
-            for i in g["inputs"]:
-                if not i.get("from"):
-                    host_inputs.setdefault(i["name"], i)
-        vocab = _vocab(next((g for g in chain if any(o["name"] == "logits" for o in g["outputs"])), chain[-1]), reference)
-        for sample in range(samples):
-            orig_feeds, feeds = build_feeds(reference.get_inputs(), list(host_inputs.values()), vocab, sample, host)
-            expected = run_session(reference, orig_feeds)
-            for pipeline in ("partitions", "graph"):
+    generator = _runtime(out, skipped if new_tokens > 0 else [])
+    generations = run_oracle(generator, manifest, reference, new_tokens, skipped, atol, rtol, min_cosine)
+    # whole graphs: the runtime's sessions (loaded once); then partitions, after those are released
+    for pipeline in ("graph", "partitions"):
+        wholes = {s.name: s.session for s in generator.prefill + generator.decode} if generator else {}
+        sessions = generator.sessions if generator else Sessions(out, optimize=False)
+        generator = None
+        for chain in chains(manifest.get("graphs", [])):
+            wired = {(i["from"]["graph"], i["from"]["output"]) for g in chain for i in g["inputs"] if i.get("from")}
+            host_inputs: dict[str, dict] = {}  # the chain's inputs that the host builds, first spec per name
+            for g in chain:
+                for i in g["inputs"]:
+                    if not i.get("from"):
+                        host_inputs.setdefault(i["name"], i)
+            vocab = _vocab(next((g for g in chain if any(o["name"] == io.LOGITS for o in g["outputs"])), chain[-1]),
+                           reference)
+            for sample in range(samples):
+                orig_feeds, feeds = build_feeds(reference.get_inputs(), list(host_inputs.values()), vocab, sample, host)
+                expected = run_session(reference, orig_feeds)
                 made: dict[tuple[str, str], np.ndarray] = {}
                 for g in chain:
                     gfeeds = {i["name"]: made[i["from"]["graph"], i["from"]["output"]] if i.get("from") else feeds[i["name"]]
@@ -366,26 +383,33 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
                     if pipeline == "partitions":
                         outputs = run_partitions(out, g, gfeeds, sessions)
                     else:
+                        if g["name"] not in wholes:
+                            wholes[g["name"]] = _guarded(lambda: sessions.get(out / g["path"]), f"graph {g['path']}")
                         outputs = _guarded(lambda: run_session(wholes[g["name"]], gfeeds), f"graph {g['path']}")
                     made.update(((g["name"], name), value) for name, value in outputs.items())
                     for name, value in outputs.items():
                         if (g["name"], name) not in wired:
                             _record(worst, skipped, g["name"], pipeline, name, value, expected, original_outputs,
                                     atol, rtol, min_cosine)
-    return Result(list(worst.values()), skipped, samples, atol, rtol, min_cosine, generations)
+    checks = sorted(worst.values(), key=lambda c: c.pipeline != "partitions")  # stable: manifest order in each
+    return Result(checks, skipped, samples, atol, rtol, min_cosine, generations)
 
 
-def run_oracle(out: Path, manifest: dict, reference, new_tokens: int, skipped: list[str],
-               atol: float, rtol: float, min_cosine: float) -> list[Generation]:
-    """The oracle's generations (see `mtkc.pipeline.oracle`); why it could not run goes to `skipped`."""
+def _runtime(out: Path, skipped: list[str]):
+    """The reference runtime over OUT's graphs, or None (why, in `skipped`) when they are outside its contract."""
     from mtkc.runtime.generate import Generator
 
-    if new_tokens <= 0:
-        return []
     try:
-        generator = _guarded(lambda: Generator(out), "the reference runtime")
-    except InputError as exc:  # graphs outside the runtime contract (e.g. compiled without kv-cache)
+        return _guarded(lambda: Generator(out), "the reference runtime")
+    except InputError as exc:  # e.g. compiled without the kv-cache pass: exporter cache names left
         skipped.append(f"oracle: the reference runtime cannot run these graphs: {exc}")
+        return None
+
+
+def run_oracle(generator, manifest: dict, reference, new_tokens: int, skipped: list[str],
+               atol: float, rtol: float, min_cosine: float) -> list[Generation]:
+    """The oracle's generations (see `mtkc.pipeline.oracle`); why it could not run goes to `skipped`."""
+    if new_tokens <= 0 or generator is None:
         return []
     original = Original.of(reference, generator.cache_shapes)
     if isinstance(original, str):

@@ -34,6 +34,7 @@ import onnxruntime as ort
 from mtkc.contract import cache as layouts
 from mtkc.contract import io, mask, positions
 from mtkc.errors import InputError
+from mtkc.runtime.sessions import Sessions
 
 log = logging.getLogger("mtkc")
 
@@ -69,6 +70,7 @@ class Generator:
         manifest = json.loads(path.read_text())
         options = manifest.get("options") or {}
         self.mask_value = float(mask_value) if mask_value is not None else mask.value_of(options)
+        self.sessions = Sessions(self.root)  # weights mapped once for every graph
         stages: dict[str, list[tuple[int, Stage]]] = {"prefill": [], "decode": []}
         graphs = manifest.get("graphs", [])
         for graph in graphs:
@@ -95,9 +97,7 @@ class Generator:
         path = self.root / graph["path"]
         if not path.is_file():
             raise InputError(f"{path}: graph '{graph['name']}' listed in the manifest is missing")
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        session = self.sessions.get(path)
         inputs = {}
         for x in session.get_inputs():
             if not all(isinstance(d, int) for d in x.shape):
