@@ -43,7 +43,7 @@ from mtkc.contract import mask as contract_mask
 from mtkc.contract.positions import rope_rows
 from mtkc.errors import InputError, MismatchError
 from mtkc.ir.execute import session
-from mtkc.pipeline.oracle import NEW_TOKENS, Generation, Original, compare_generation, prompts
+from mtkc.pipeline.oracle import NEW_TOKENS, Generation, Original, OriginalRun, compare_generation, prompts
 from mtkc.runtime.sessions import Sessions
 
 DYNAMIC_SEQ = 8  # tokens per sample when the compiled graph leaves the sequence length open
@@ -339,6 +339,9 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
     Graphs wired together (layer chunks) run as one chain per sample: the original model runs
     once, chunk k is fed chunk k-1's output named by its input's `from`, and every chunk's
     outputs are compared with the original's (logits from the last chunk, present_* from each).
+    Two phases, so the original's and the compiled weights are never in memory together: the
+    original runs everything it is asked (generations, per-graph expected outputs) and is released;
+    then the compiled graphs run (whole graphs on the runtime's sessions, then partitions).
     """
     out = Path(out)
     manifest = load_manifest(out)
@@ -353,46 +356,53 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
         raise
     except Exception as exc:
         raise InputError(f"{source}: the original model does not load in onnxruntime ({type(exc).__name__})") from None
-    original_outputs = [o.name for o in reference.get_outputs()]
-    worst: dict[tuple, Check] = {}
     skipped: list[str] = []
     host = Host.from_manifest(manifest, out)
-    generator = _runtime(out, skipped if new_tokens > 0 else [])
-    generations = run_oracle(generator, manifest, reference, new_tokens, skipped, atol, rtol, min_cosine)
-    # whole graphs: the runtime's sessions (loaded once); then partitions, after those are released
-    for pipeline in ("graph", "partitions"):
+    generator = _runtime(out, skipped if new_tokens > 0 else [])  # sessions made, weights not yet touched
+    runs = original_runs(generator, manifest, reference, new_tokens, skipped)
+    original_outputs = [o.name for o in reference.get_outputs()]
+    planned = list(_expected(manifest, reference, samples, host))
+    del reference  # phase 2: the compiled graphs only
+    generations = [_guarded(lambda: compare_generation(generator, run, compare, atol, rtol, min_cosine), "generation")
+                   for run in runs]
+    worst: dict[tuple, Check] = {}
+    for pipeline in ("graph", "partitions"):  # whole graphs on the runtime's sessions, then (those released) partitions
         wholes = {s.name: s.session for s in generator.prefill + generator.decode} if generator else {}
         sessions = generator.sessions if generator else Sessions(out, optimize=False)
         generator = None
-        for chain in chains(manifest.get("graphs", [])):
+        for chain, feeds, expected in planned:
             wired = {(i["from"]["graph"], i["from"]["output"]) for g in chain for i in g["inputs"] if i.get("from")}
-            host_inputs: dict[str, dict] = {}  # the chain's inputs that the host builds, first spec per name
+            made: dict[tuple[str, str], np.ndarray] = {}
             for g in chain:
-                for i in g["inputs"]:
-                    if not i.get("from"):
-                        host_inputs.setdefault(i["name"], i)
-            vocab = _vocab(next((g for g in chain if any(o["name"] == io.LOGITS for o in g["outputs"])), chain[-1]),
-                           reference)
-            for sample in range(samples):
-                orig_feeds, feeds = build_feeds(reference.get_inputs(), list(host_inputs.values()), vocab, sample, host)
-                expected = run_session(reference, orig_feeds)
-                made: dict[tuple[str, str], np.ndarray] = {}
-                for g in chain:
-                    gfeeds = {i["name"]: made[i["from"]["graph"], i["from"]["output"]] if i.get("from") else feeds[i["name"]]
-                              for i in g["inputs"]}
-                    if pipeline == "partitions":
-                        outputs = run_partitions(out, g, gfeeds, sessions)
-                    else:
-                        if g["name"] not in wholes:
-                            wholes[g["name"]] = _guarded(lambda: sessions.get(out / g["path"]), f"graph {g['path']}")
-                        outputs = _guarded(lambda: run_session(wholes[g["name"]], gfeeds), f"graph {g['path']}")
-                    made.update(((g["name"], name), value) for name, value in outputs.items())
-                    for name, value in outputs.items():
-                        if (g["name"], name) not in wired:
-                            _record(worst, skipped, g["name"], pipeline, name, value, expected, original_outputs,
-                                    atol, rtol, min_cosine)
+                gfeeds = {i["name"]: made[i["from"]["graph"], i["from"]["output"]] if i.get("from") else feeds[i["name"]]
+                          for i in g["inputs"]}
+                if pipeline == "partitions":
+                    outputs = run_partitions(out, g, gfeeds, sessions)
+                else:
+                    if g["name"] not in wholes:
+                        wholes[g["name"]] = _guarded(lambda: sessions.get(out / g["path"]), f"graph {g['path']}")
+                    outputs = _guarded(lambda: run_session(wholes[g["name"]], gfeeds), f"graph {g['path']}")
+                made.update(((g["name"], name), value) for name, value in outputs.items())
+                for name, value in outputs.items():
+                    if (g["name"], name) not in wired:
+                        _record(worst, skipped, g["name"], pipeline, name, value, expected, original_outputs,
+                                atol, rtol, min_cosine)
     checks = sorted(worst.values(), key=lambda c: c.pipeline != "partitions")  # stable: manifest order in each
     return Result(checks, skipped, samples, atol, rtol, min_cosine, generations)
+
+
+def _expected(manifest: dict, reference, samples: int, host: Host):
+    """(chain, compiled feeds, the original's outputs) per chain and seeded sample."""
+    for chain in chains(manifest.get("graphs", [])):
+        host_inputs: dict[str, dict] = {}  # the chain's inputs that the host builds, first spec per name
+        for g in chain:
+            for i in g["inputs"]:
+                if not i.get("from"):
+                    host_inputs.setdefault(i["name"], i)
+        vocab = _vocab(next((g for g in chain if any(o["name"] == io.LOGITS for o in g["outputs"])), chain[-1]), reference)
+        for sample in range(samples):
+            orig_feeds, feeds = build_feeds(reference.get_inputs(), list(host_inputs.values()), vocab, sample, host)
+            yield chain, feeds, run_session(reference, orig_feeds)
 
 
 def _runtime(out: Path, skipped: list[str]):
@@ -406,9 +416,9 @@ def _runtime(out: Path, skipped: list[str]):
         return None
 
 
-def run_oracle(generator, manifest: dict, reference, new_tokens: int, skipped: list[str],
-               atol: float, rtol: float, min_cosine: float) -> list[Generation]:
-    """The oracle's generations (see `mtkc.pipeline.oracle`); why it could not run goes to `skipped`."""
+def original_runs(generator, manifest: dict, reference, new_tokens: int, skipped: list[str]) -> list[OriginalRun]:
+    """The original's greedy runs on the oracle's prompts (see `mtkc.pipeline.oracle`); why it
+    could not run goes to `skipped`."""
     if new_tokens <= 0 or generator is None:
         return []
     original = Original.of(reference, generator.cache_shapes)
@@ -416,11 +426,8 @@ def run_oracle(generator, manifest: dict, reference, new_tokens: int, skipped: l
         skipped.append(f"oracle: the original export cannot be run as exported: {original}")
         return []
     vocab = _vocab(next(g for g in manifest["graphs"] if any(o["name"] == io.LOGITS for o in g["outputs"])), reference)
-    results = []
-    for prompt in prompts(generator.prefill[0].tokens, generator.cache_len, vocab, new_tokens):
-        results.append(_guarded(lambda: compare_generation(original, generator, prompt, new_tokens, compare,
-                                                           atol, rtol, min_cosine), "generation"))
-    return results
+    return [_guarded(lambda: original.run(prompt, new_tokens), "the original export")
+            for prompt in prompts(generator.prefill[0].tokens, generator.cache_len, vocab, new_tokens)]
 
 
 def _record(worst: dict, skipped: list, graph: str, pipeline: str, name: str, value: np.ndarray, expected: dict,
