@@ -18,9 +18,8 @@ abs per step, and the greedy tokens must be equal.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -75,7 +74,7 @@ class Original:
     types: dict[str, np.dtype] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, session, cache_shapes: dict[str, list[int]]) -> "Original | str":
+    def of(cls, session, cache_shapes: dict[str, list[int]]) -> Original | str:
         """Roles of `session`'s I/O, or why it cannot be run as an exporter would (a note).
         `cache_shapes`: the compiled past_* shapes [1,Hkv,C,D] (head dims the export leaves symbolic)."""
         inputs, outputs = session.get_inputs(), session.get_outputs()
