@@ -101,3 +101,23 @@ def test_the_contract_sits_low_in_the_layers():
             for name in names:
                 if name.startswith("mtkc"):
                     assert name.split(".")[1] in ("contract", "errors", "ir"), f"{path.name} imports {name}"
+
+
+def test_a_compiled_manifest_follows_the_contract(exported, tmp_path):
+    """Names, dtypes and order of every graph's I/O, and the recorded mask value and model digest."""
+    from mtkc.backend.manifest import sha256
+    from mtkc.pipeline.compile import compile_model
+
+    model = exported("llama", "legacy17", cache=True)
+    manifest = compile_model(model, "8.0", tmp_path / "out", {"seq_len": 4, "cache_len": 8, "chunks": 2,
+                                                              "no_convert": True}).manifest
+    for graph in manifest["graphs"]:
+        for side in ("inputs", "outputs"):
+            names = [t["name"] for t in graph[side]]
+            assert names == sorted(names, key=io.order_key), (graph["name"], names)
+            for t in graph[side]:
+                assert t["name"] in io.DTYPES or io.cache_name(t["name"]), t["name"]
+                assert np.dtype(t["dtype"]) == np.dtype(io.DTYPES.get(t["name"], np.float32)), t
+    assert manifest["options"]["mask_value"] == mask.DEFAULT_VALUE
+    assert manifest["options"]["mask_value_source"] == "default"
+    assert manifest["model"]["sha256"] == sha256(model)

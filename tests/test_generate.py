@@ -177,3 +177,13 @@ def test_chunks_are_chained_by_the_manifest_wiring(compiled, reference, tmp_path
     with pytest.raises(InputError, match=r"graph 'prefill_1': input 'hidden_states' is wired from 'prefill_0' "
                                          r"output 'nowhere', which no earlier graph of this pass produced"):
         Generator(out).generate(PROMPTS["long"], NEW)
+
+
+def test_a_compile_without_kv_cache_generates_by_rerunning_the_sequence(exported, tiny_model, tmp_path):
+    """One static `model` graph of T tokens: the whole sequence, padded to T, per new token."""
+    out = tmp_path / "out"
+    compile_model(exported("llama", "legacy17"), "8.0", out, {"seq_len": T, "no_convert": True})
+    generator = Generator(out)
+    tokens = generator.generate(PROMPTS["short"], NEW)
+    assert len(tokens) == T - len(PROMPTS["short"]) + 1 and generator.stop_reason.startswith("sequence full")
+    assert tokens == factory.reference_generate(tiny_model("llama"), PROMPTS["short"], len(tokens))

@@ -160,3 +160,12 @@ def test_the_original_is_fed_its_own_inputs(exported):
     assert len(tokens) == 3 and [r.shape[0] for r in rows] == [3, 1, 1]
     assert [f["attention_mask"] for f in feeds] == [(1, 3), (1, 4), (1, 5)]
     assert [f["input.cache.layers.0.keys"][2] for f in feeds] == [0, 3, 4]
+
+
+def test_oracle_runs_a_compile_without_kv_cache(exported, tmp_path):
+    out = tmp_path / "out"
+    compile_model(exported("qwen2", "legacy17"), "8.0", out, {"seq_len": T, "no_convert": True})
+    result = V.verify(out, samples=1)
+    assert result.ok, V.format_text(result)
+    (g,) = result.generations  # no prompt longer than the static T fits
+    assert g.prompt_len < T and g.expected == g.actual and len(g.actual) == T - g.prompt_len + 1

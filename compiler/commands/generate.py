@@ -21,7 +21,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("out", metavar="OUT", help="folder written by `mtkc compile`")
     parser.add_argument("--prompt-ids", required=True, help="comma-separated prompt token ids, e.g. 1,2,3")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
-    parser.add_argument("--mask-value", type=float, help="additive mask value (default: the compiled one, or -100)")
+    parser.add_argument("--mask-value", type=float, help="additive mask value (default: the one compiled, recorded in the manifest)")
     parser.add_argument("--format", choices=("text", "json"), default="text", help="output format")
     add_common(parser)
     parser.set_defaults(func=run)

@@ -78,7 +78,7 @@ def add_llm(parser: argparse.ArgumentParser) -> None:
     kv.add_argument("--chunks", type=int, metavar="N", help="split the decoder layers into N graphs per variant")
     llm = parser.add_argument_group("LLM blocks")
     llm.add_argument("--mask-value", type=float, metavar="V",
-                     help="masked value of the additive attention_mask input (default -100, as MediaTek's runtime)")
+                     help="masked value of the additive attention_mask input (default -3e4; MediaTek's runtime uses -100)")
     llm.add_argument("--rope-mode", metavar="|".join(ROPE_MODES),
                      help="RoPE cos/sin: a constant table gathered by position_ids, or a pos_emb [1,2,T,D] input "
                           "(default: the one whose graph runs best on the SDK's NPU)")

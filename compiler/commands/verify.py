@@ -16,7 +16,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "verify",
         help="compare the compiled pipeline with the original model in onnxruntime",
-        description="The oracle (KV-cache compiles): run the original export as its exporter meant it (cache "
+        description="The oracle: run the original export as its exporter meant it (cache "
         "growing from empty, its own mask, no padding) and the compiled graphs through the reference runtime on "
         "seeded prompts shorter and longer than T; compare logits at real positions and greedy tokens. Then run "
         "every partition wired by OUT/manifest.json, and every whole rewritten graph, on "

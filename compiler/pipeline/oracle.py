@@ -18,9 +18,8 @@ abs per step, and the greedy tokens must be equal.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -52,6 +51,15 @@ class Generation:
 
 
 @dataclass
+class OriginalRun:
+    """What the original did with one prompt: its greedy tokens and logits rows [P + n - 1, V]."""
+
+    prompt: list[int]
+    tokens: list[int]
+    logits: np.ndarray
+
+
+@dataclass
 class Original:
     """An ONNX export fed as its exporter meant: roles of its inputs/outputs from the contract."""
 
@@ -66,7 +74,7 @@ class Original:
     types: dict[str, np.dtype] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, session, cache_shapes: dict[str, list[int]]) -> "Original | str":
+    def of(cls, session, cache_shapes: dict[str, list[int]]) -> Original | str:
         """Roles of `session`'s I/O, or why it cannot be run as an exporter would (a note).
         `cache_shapes`: the compiled past_* shapes [1,Hkv,C,D] (head dims the export leaves symbolic)."""
         inputs, outputs = session.get_inputs(), session.get_outputs()
@@ -101,6 +109,12 @@ class Original:
                            shape[3] if shape[3] is not None else hint[3]]
         return cls(session, roles["ids"], roles["mask"], roles["positions"],
                    {(k, i): n for n, k, i in pasts}, {(k, i): n for n, k, i in presents}, empty, logits, types)
+
+    def run(self, prompt: list[int], new_tokens: int) -> OriginalRun:
+        """Greedy tokens after `prompt` and the logits of every position fed (prompt, then each new token)."""
+        rows: list[np.ndarray] = []
+        tokens = self.generate(prompt, new_tokens, rows.append)
+        return OriginalRun(list(prompt), tokens, np.concatenate(rows))
 
     def generate(self, prompt: list[int], new_tokens: int, observe: Callable[[np.ndarray], None]) -> list[int]:
         """Greedy tokens after `prompt`; `observe(logits [k, V])` per call, k = the tokens it fed."""
@@ -139,25 +153,24 @@ def prompts(seq_len: int, cache_len: int, vocab: int, new_tokens: int, seed: int
     return [rng.integers(0, vocab, n).tolist() for n in lengths]
 
 
-def compare_generation(original: Original, generator, prompt: list[int], new_tokens: int, compare,
-                       atol: float, rtol: float, min_cosine: float) -> Generation:
-    """Run `prompt` through both sides and compare (see the module docstring)."""
-    want_rows: list[np.ndarray] = []
+def compare_generation(generator, run: OriginalRun, compare, atol: float, rtol: float,
+                       min_cosine: float) -> Generation:
+    """Run the original's prompt through the compiled pipeline and compare (see the module docstring)."""
     got_rows: list[np.ndarray] = []
-    expected = original.generate(prompt, new_tokens, want_rows.append)
-    actual = generator.generate(prompt, new_tokens, got_rows.append)
+    expected = run.tokens
+    actual = generator.generate(run.prompt, len(expected), got_rows.append)
     if generator.stop_reason:  # the static cache is full: compare the tokens it holds
         expected = expected[:len(actual)]
     agree = next((j for j, (a, b) in enumerate(zip(expected, actual)) if a != b), min(len(expected), len(actual)))
-    rows = len(prompt) + min(agree, len(actual) - 1, len(expected) - 1)  # decode row j fed token j-1
-    want = np.concatenate(want_rows)[:rows]
+    rows = len(run.prompt) + min(agree, len(actual) - 1, len(expected) - 1)  # decode row j fed token j-1
+    want = run.logits[:rows]
     got = np.concatenate(got_rows)[:rows]
     figures = []  # (max abs, cosine, ok) per step
     for step in range(min(len(want), len(got))):
         max_abs, _, cosine, close = compare(got[step], want[step], atol, rtol)
         figures.append((max_abs, cosine, close and cosine >= min_cosine))
     cosines = [f[1] for f in figures]
-    return Generation(len(prompt), expected, actual, len(figures), max((f[0] for f in figures), default=0.0),
+    return Generation(len(run.prompt), expected, actual, len(figures), max((f[0] for f in figures), default=0.0),
                       min(cosines, default=0.0), int(np.argmin(cosines)) if cosines else 0,
                       all(f[2] for f in figures), generator.stop_reason or "")
 

@@ -2,7 +2,7 @@
 
 Two independent comparisons; verify is ok only when both compared something and all agreed:
 
-* the oracle (`mtkc.pipeline.oracle`, KV-cache compiles): the original run as its exporter meant
+* the oracle (`mtkc.pipeline.oracle`): the original run as its exporter meant
   it (its own inputs and mask form, its cache growing from empty, no padding) against the
   compiled graphs through the reference runtime, on seeded prompts shorter and longer than T:
   logits at every real position and the greedy tokens;
@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 
 from mtkc.backend.manifest import sha256
 from mtkc.backend.outdir import check_graph_file, confined, load_table, read_manifest
@@ -43,8 +44,9 @@ from mtkc.display import escape
 from mtkc.errors import InputError, MismatchError
 from mtkc.ir.compare import compare
 from mtkc.ir.execute import session
-from mtkc.pipeline.oracle import NEW_TOKENS, Generation, Original, compare_generation, prompts
+from mtkc.pipeline.oracle import NEW_TOKENS, Generation, Original, OriginalRun, compare_generation, prompts
 from mtkc.runtime.generate import Generator
+from mtkc.runtime.sessions import Sessions
 
 DYNAMIC_SEQ = 8  # tokens per sample when the compiled graph leaves the sequence length open
 
@@ -130,25 +132,36 @@ def original_path(manifest: dict, out: Path, override: str | Path | None = None)
 
 
 def load_session(path: Path):
-    """An ORT CPU session for an ONNX file, external data resolved beside it."""
+    """An ORT CPU session for an ONNX file, external data resolved beside it.
+
+    From the path when onnxruntime takes it as is (it maps external data, no copy in Python); a
+    model whose external data it refuses (a Hugging Face cache layout) goes through `session`."""
     proto = check_graph_file(path)  # external data inside its folder and within the files
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception:  # onnxruntime's own error types; the proto route below names the problem
+        pass
     return session(proto, path.parent)
 
 
-def run_partitions(out: Path, graph: dict, feeds: dict[str, np.ndarray], sessions: dict | None = None) -> dict[str, np.ndarray]:
+def run_partitions(out: Path, graph: dict, feeds: dict[str, np.ndarray], sessions: Sessions | None = None) -> dict[str, np.ndarray]:
     """Run the partitions in manifest order, each fed by name from the graph inputs and earlier partitions."""
-    sessions = {} if sessions is None else sessions
+    sessions = Sessions(out, optimize=False) if sessions is None else sessions
     env = dict(feeds)
     for part in graph["partitions"]:
         missing = [i["name"] for i in part["inputs"] if i["name"] not in env]
         if missing:
             raise InputError(f"manifest: partition {graph['name']}/{part['id']} input '{missing[0]}' is made by no earlier partition")
         path = Path(out) / part["path"]
-        if path not in sessions:
-            sessions[path] = _guarded(lambda: load_session(path), f"partition {graph['name']}/{part['id']}")
+        if not path.is_file():
+            raise InputError(f"{path}: partition {graph['name']}/{part['id']} listed in the manifest is missing")
+        session = _guarded(lambda: sessions.get(path), f"partition {graph['name']}/{part['id']}")
         names = [o["name"] for o in part["outputs"]]
         feeds_ = {i["name"]: env[i["name"]] for i in part["inputs"]}
-        env.update(zip(names, _guarded(lambda: sessions[path].run(names, feeds_), f"partition {graph['name']}/{part['id']}")))
+        env.update(zip(names, _guarded(lambda: session.run(names, feeds_), f"partition {graph['name']}/{part['id']}")))
     return {o["name"]: env[o["name"]] for o in graph["outputs"]}
 
 
@@ -289,12 +302,15 @@ def chains(graphs: list[dict]) -> list[list[dict]]:
 
 def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 1e-3, min_cosine: float = 0.999,
            model: str | Path | None = None, new_tokens: int = NEW_TOKENS) -> Result:
-    """The oracle (KV-cache compiles; `new_tokens` greedy tokens per prompt, 0: off), then every
+    """The oracle (`new_tokens` greedy tokens per prompt, 0: off), then every
     manifest graph (partitions wired, and whole) compared with the original model.
 
     Graphs wired together (layer chunks) run as one chain per sample: the original model runs
     once, chunk k is fed chunk k-1's output named by its input's `from`, and every chunk's
     outputs are compared with the original's (logits from the last chunk, present_* from each).
+    Two phases, so the original's and the compiled weights are never in memory together: the
+    original runs everything it is asked (generations, per-graph expected outputs) and is released;
+    then the compiled graphs run (whole graphs on the runtime's sessions, then partitions).
     """
     out = Path(out)
     manifest = load_manifest(out)
@@ -309,65 +325,76 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
         raise
     except Exception as exc:
         raise InputError(f"{source}: the original model does not load in onnxruntime ({type(exc).__name__})") from None
-    original_outputs = [o.name for o in reference.get_outputs()]
-    worst: dict[tuple, Check] = {}
     skipped: list[str] = []
-    sessions: dict = {}
     host = Host.from_manifest(manifest, out)
-    generations = run_oracle(out, manifest, reference, new_tokens, skipped, atol, rtol, min_cosine)
+    generator = _runtime(out, skipped if new_tokens > 0 else [])  # sessions made, weights not yet touched
+    runs = original_runs(generator, manifest, reference, new_tokens, skipped)
+    original_outputs = [o.name for o in reference.get_outputs()]
+    planned = list(_expected(manifest, reference, samples, host))
+    del reference  # phase 2: the compiled graphs only
+    generations = [_guarded(lambda: compare_generation(generator, run, compare, atol, rtol, min_cosine), "generation")
+                   for run in runs]
+    worst: dict[tuple, Check] = {}
+    for pipeline in ("graph", "partitions"):  # whole graphs on the runtime's sessions, then (those released) partitions
+        wholes = {s.name: s.session for s in generator.prefill + generator.decode} if generator else {}
+        sessions = generator.sessions if generator else Sessions(out, optimize=False)
+        generator = None
+        for chain, feeds, expected in planned:
+            wired = {(i["from"]["graph"], i["from"]["output"]) for g in chain for i in g["inputs"] if i.get("from")}
+            made: dict[tuple[str, str], np.ndarray] = {}
+            for g in chain:
+                gfeeds = {i["name"]: made[i["from"]["graph"], i["from"]["output"]] if i.get("from") else feeds[i["name"]]
+                          for i in g["inputs"]}
+                if pipeline == "partitions":
+                    outputs = run_partitions(out, g, gfeeds, sessions)
+                else:
+                    if g["name"] not in wholes:
+                        wholes[g["name"]] = _guarded(lambda: sessions.get(out / g["path"]), f"graph {g['path']}")
+                    outputs = _guarded(lambda: run_session(wholes[g["name"]], gfeeds), f"graph {g['path']}")
+                made.update(((g["name"], name), value) for name, value in outputs.items())
+                for name, value in outputs.items():
+                    if (g["name"], name) not in wired:
+                        _record(worst, skipped, g["name"], pipeline, name, value, expected, original_outputs,
+                                atol, rtol, min_cosine)
+    checks = sorted(worst.values(), key=lambda c: c.pipeline != "partitions")  # stable: manifest order in each
+    return Result(checks, skipped, samples, atol, rtol, min_cosine, generations)
+
+
+def _expected(manifest: dict, reference, samples: int, host: Host):
+    """(chain, compiled feeds, the original's outputs) per chain and seeded sample."""
     for chain in chains(manifest.get("graphs", [])):
-        wholes = {g["name"]: _guarded(lambda: load_session(out / g["path"]), f"graph {g['path']}") for g in chain}
-        wired = {(i["from"]["graph"], i["from"]["output"]) for g in chain for i in g["inputs"] if i.get("from")}
         host_inputs: dict[str, dict] = {}  # the chain's inputs that the host builds, first spec per name
         for g in chain:
             for i in g["inputs"]:
                 if not i.get("from"):
                     host_inputs.setdefault(i["name"], i)
-        vocab = _vocab(next((g for g in chain if any(o["name"] == "logits" for o in g["outputs"])), chain[-1]), reference)
+        vocab = _vocab(next((g for g in chain if any(o["name"] == io.LOGITS for o in g["outputs"])), chain[-1]), reference)
         for sample in range(samples):
             orig_feeds, feeds = build_feeds(reference.get_inputs(), list(host_inputs.values()), vocab, sample, host)
-            expected = run_session(reference, orig_feeds)
-            for pipeline in ("partitions", "graph"):
-                made: dict[tuple[str, str], np.ndarray] = {}
-                for g in chain:
-                    gfeeds = {i["name"]: made[i["from"]["graph"], i["from"]["output"]] if i.get("from") else feeds[i["name"]]
-                              for i in g["inputs"]}
-                    if pipeline == "partitions":
-                        outputs = run_partitions(out, g, gfeeds, sessions)
-                    else:
-                        outputs = _guarded(lambda: run_session(wholes[g["name"]], gfeeds), f"graph {g['path']}")
-                    made.update(((g["name"], name), value) for name, value in outputs.items())
-                    for name, value in outputs.items():
-                        if (g["name"], name) not in wired:
-                            _record(worst, skipped, g["name"], pipeline, name, value, expected, original_outputs,
-                                    atol, rtol, min_cosine)
-    return Result(list(worst.values()), skipped, samples, atol, rtol, min_cosine, generations)
+            yield chain, feeds, run_session(reference, orig_feeds)
 
 
-def run_oracle(out: Path, manifest: dict, reference, new_tokens: int, skipped: list[str],
-               atol: float, rtol: float, min_cosine: float) -> list[Generation]:
-    """The oracle's generations (see `mtkc.pipeline.oracle`); why it could not run goes to `skipped`."""
-    names = {g["name"] for g in manifest.get("graphs", [])}
-    if new_tokens <= 0:
-        return []
-    if not {"prefill", "decode"} & {n.split("_")[0] for n in names}:
-        skipped.append("oracle: no prefill/decode graphs (compile with --kv-cache to compare generation)")
-        return []
+def _runtime(out: Path, skipped: list[str]):
+    """The reference runtime over OUT's graphs, or None (why, in `skipped`) when they are outside its contract."""
     try:
-        generator = _guarded(lambda: Generator(out), "the reference runtime")
-    except InputError as exc:  # graphs outside the runtime contract (e.g. compiled without kv-cache)
+        return _guarded(lambda: Generator(out), "the reference runtime")
+    except InputError as exc:  # e.g. compiled without the kv-cache pass: exporter cache names left
         skipped.append(f"oracle: the reference runtime cannot run these graphs: {exc}")
+        return None
+
+
+def original_runs(generator, manifest: dict, reference, new_tokens: int, skipped: list[str]) -> list[OriginalRun]:
+    """The original's greedy runs on the oracle's prompts (see `mtkc.pipeline.oracle`); why it
+    could not run goes to `skipped`."""
+    if new_tokens <= 0 or generator is None:
         return []
     original = Original.of(reference, generator.cache_shapes)
     if isinstance(original, str):
         skipped.append(f"oracle: the original export cannot be run as exported: {original}")
         return []
     vocab = _vocab(next(g for g in manifest["graphs"] if any(o["name"] == io.LOGITS for o in g["outputs"])), reference)
-    results = []
-    for prompt in prompts(generator.prefill[0].tokens, generator.cache_len, vocab, new_tokens):
-        results.append(_guarded(lambda: compare_generation(original, generator, prompt, new_tokens, compare,
-                                                           atol, rtol, min_cosine), "generation"))
-    return results
+    return [_guarded(lambda: original.run(prompt, new_tokens), "the original export")
+            for prompt in prompts(generator.prefill[0].tokens, generator.cache_len, vocab, new_tokens)]
 
 
 def _record(worst: dict, skipped: list, graph: str, pipeline: str, name: str, value: np.ndarray, expected: dict,

@@ -8,6 +8,9 @@ cache, and the prefill -> decode hand-over.
     prompt ──► prefill (T tokens per call; a short tail is padded and masked) ──► argmax
            ──► decode (1 token per call) ──► argmax ──► ... until max_new_tokens or the cache is full
 
+A compile without KV cache (one static `model` graph of T tokens) runs the whole sequence, padded
+to T, once per new token, until T tokens are in it.
+
 Cache: C slots per layer, `valid[C]` says which hold a token. `cache_io="new"`: graphs return
 the T new entries and the runtime writes the valid ones at the next free slots; `"sliding"`:
 graphs return `concat(past, new)[T:]`, which is fed back as is (valid slides with it).
@@ -33,6 +36,7 @@ from mtkc.contract import io, mask, positions
 from mtkc.errors import InputError
 from mtkc.ir.model import ExternalValues, external_info
 from mtkc.ir.model_checks import ExternalDataError, external_fields, external_size, open_external
+from mtkc.runtime.sessions import Sessions
 
 log = logging.getLogger("mtkc")
 
@@ -66,16 +70,24 @@ class Generator:
         manifest = read_manifest(self.root)  # shape checked, every path confined to OUT
         options = manifest.get("options") or {}
         self.mask_value = float(mask_value) if mask_value is not None else mask.value_of(options)
+        self.sessions = Sessions(self.root)  # weights mapped once for every graph
         stages: dict[str, list[tuple[int, Stage]]] = {"prefill": [], "decode": []}
-        for graph in manifest.get("graphs", []):
+        graphs = manifest.get("graphs", [])
+        for graph in graphs:
             m = _NAME.match(graph["name"])
             if m:
                 stages[m[1]].append((int(m[2] or 0), self._stage(graph)))
-        if not stages["prefill"] or not stages["decode"]:
+        self.full = [g["name"] for g in graphs] == ["model"]  # no KV cache: the whole sequence per token
+        if self.full:
+            stages = {"prefill": [(0, self._stage(graphs[0]))], "decode": []}
+        elif not stages["prefill"] or not stages["decode"]:
             raise InputError(f"{path}: no prefill/decode graphs; compile a KV-cache model (--kv-cache)")
         self.prefill = [s for _, s in sorted(stages["prefill"], key=lambda x: x[0])]
         self.decode = [s for _, s in sorted(stages["decode"], key=lambda x: x[0])]
-        self._layout(options.get("cache_io"))
+        if self.full:
+            self._no_cache()
+        else:
+            self._layout(options.get("cache_io"))
         first = self.prefill[0].inputs
         self.embedding = self._host(manifest, "embedding", "graphs take hidden_states") if io.HIDDEN_STATES in first else None
         self.rope = self._host(manifest, "rope", "graphs take pos_emb") if io.POS_EMB in first else None
@@ -85,10 +97,8 @@ class Generator:
     def _stage(self, graph: dict) -> Stage:
         path = confined(self.root, graph["path"], f"graph '{graph['name']}'")
         check_graph_file(path)  # weights inside OUT and within weights.bin, before onnxruntime reads them
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
         try:
-            session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+            session = self.sessions.get(path)
         except Exception as exc:  # onnxruntime's own errors: the file was not written by this mtkc, or edited
             raise InputError(f"{path}: does not load in onnxruntime ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
         inputs = {}
@@ -119,6 +129,12 @@ class Generator:
             raise InputError(f"{self.root}/manifest.json: cache_io '{cache_io}', expected one of {', '.join(layouts.LAYOUTS)}")
         self.cache_io = cache_io
 
+    def _no_cache(self) -> None:
+        stage = self.prefill[0]
+        if any(io.cache_name(name) for name in stage.inputs):
+            raise InputError(f"{self.root}: graph 'model' has cache inputs but no decode graph")
+        self.cache_shapes, self.cache_len, self.cache_io = {}, 0, layouts.DEFAULT_LAYOUT
+
     def _host(self, manifest: dict, name: str, why: str) -> np.ndarray:
         entry = (manifest.get("host") or {}).get(name)
         if not entry:
@@ -147,6 +163,8 @@ class Generator:
         if max_new_tokens <= 0:
             return []
         t = self.prefill[0].tokens
+        if self.full:
+            return self._generate_full(prompt, max_new_tokens, t, observe)
         for start in range(0, len(prompt), t):
             if not self.fits(t, len(prompt[start:start + t])):
                 raise InputError(f"prompt of {len(prompt)} tokens does not fit the cache of {self.cache_len} "
@@ -165,6 +183,25 @@ class Generator:
             if observe:
                 observe(logits)
             out.append(int(np.argmax(logits[-1])))
+        return out
+
+    def _generate_full(self, prompt: list[int], max_new_tokens: int, t: int, observe) -> list[int]:
+        if len(prompt) > t:
+            raise InputError(f"prompt of {len(prompt)} tokens does not fit the graph's {t} tokens "
+                             "(compile with --kv-cache for longer sequences)")
+        sequence, out = list(prompt), []
+        while len(out) < max_new_tokens:
+            if len(sequence) > t:
+                self.stop_reason = (f"sequence full: the graph's seq_len {t} is reached; "
+                                    f"stopped after {len(out)} of {max_new_tokens} new tokens")
+                log.warning("mtkc: %s", self.stop_reason)
+                break
+            self.reset()
+            logits = self.step(self.prefill, sequence)
+            if observe:
+                observe(logits if not out else logits[-1:])
+            out.append(int(np.argmax(logits[-1])))
+            sequence.append(out[-1])
         return out
 
     def fits(self, t: int, k: int) -> bool:
