@@ -34,8 +34,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -43,11 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     verbosity = getattr(args, "verbose", 0) - getattr(args, "quiet", 0)
-    logging.basicConfig(
-        level=logging.DEBUG if verbosity > 0 else logging.WARNING if verbosity < 0 else logging.INFO,
-        format="%(message)s",
-        stream=sys.stderr,
-    )
+    level = logging.DEBUG if verbosity > 0 else logging.WARNING if verbosity < 0 else logging.INFO
+    logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr)
+    log.setLevel(level)  # also when a host (pytest, an embedding app) configured logging first
     try:
         return args.func(args)
     except MtkcError as exc:
