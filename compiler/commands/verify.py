@@ -8,6 +8,7 @@ import sys
 
 from mtkc.commands.options import add_common
 from mtkc.errors import InputError, MismatchError
+from mtkc.options import check_tolerances
 from mtkc.pipeline.verify import format_text, verify
 
 
@@ -35,6 +36,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     if args.samples < 1:
         raise InputError(f"--samples {args.samples}: must be at least 1")
+    check_tolerances(args.atol, args.rtol, args.min_cosine)
     result = verify(args.out, samples=args.samples, atol=args.atol, rtol=args.rtol,
                     min_cosine=args.min_cosine, model=args.model)
     if args.format == "json":
