@@ -67,7 +67,8 @@ def test_default_output_never_reuses_a_name(tmp_path):
 CASES = [("qwen2", "legacy17", False, "7.0", []), ("qwen2", "legacy17", True, "7.0", []),
          ("llama", "dynamo", True, "8.0", ["--seq-len", "8", "--cache-len", "16"]),
          ("qwen2", "hf", False, "6.0", ["--seq-len", "8"]),
-         ("qwen2", "legacy17", False, "8.0", ["--passes", "bind-shapes,fold", "--seq-len", "8"])]
+         ("qwen2", "legacy17", False, "8.0", ["--passes", "bind-shapes,fold", "--seq-len", "8"]),
+         ("llama", "legacy17", False, "8.0", ["--seq-len", "8", "--force-cpu", "op:Softmax"])]
 
 
 @pytest.mark.parametrize("family, exporter, cache, sdk, flags", CASES)
