@@ -36,8 +36,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -45,12 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     verbosity = getattr(args, "verbose", 0) - getattr(args, "quiet", 0)
+    level = logging.DEBUG if verbosity > 0 else logging.WARNING if verbosity < 0 else logging.INFO
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(EscapingFormatter("%(message)s"))  # names from the model: one line, no escapes
-    logging.basicConfig(
-        level=logging.DEBUG if verbosity > 0 else logging.WARNING if verbosity < 0 else logging.INFO,
-        handlers=[handler],
-    )
+    logging.basicConfig(level=level, handlers=[handler])
+    log.setLevel(level)  # also when a host (pytest, an embedding app) configured logging first
     interrupts_unwind()  # SIGTERM/Ctrl-C: staging removed, converters killed
     try:
         return args.func(args)

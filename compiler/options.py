@@ -251,3 +251,12 @@ def of(options: Options | Mapping[str, Any] | None) -> Options:
 def _shown(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_tolerances(atol: float, rtol: float, min_cosine: float) -> None:
+    """`verify`'s tolerances: atol and rtol finite and >= 0, the minimum cosine in -1..1."""
+    for flag, value in (("--atol", atol), ("--rtol", rtol)):
+        if not (math.isfinite(value) and value >= 0):
+            raise InputError(f"{flag}: expected a finite number >= 0, got {value}")
+    if not -1 <= min_cosine <= 1:  # False for NaN too
+        raise InputError(f"--min-cosine: expected a number in -1..1, got {min_cosine}")

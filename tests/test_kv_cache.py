@@ -12,6 +12,7 @@ import torch
 
 from mtkc.errors import InputError
 from mtkc.ir import model as mmodel
+from mtkc.options import of
 from mtkc.passes import kv_cache
 from mtkc.pipeline.compile import compile_model
 from mtkc.rewrite.pass_api import Context
@@ -22,12 +23,12 @@ T, C = 8, 64
 
 def test_variants_prefill_decode_per_chunk(exported):
     graph = mmodel.load(exported("qwen2", "legacy17", cache=True)).graph
-    plan = kv_cache.variants(graph, {"seq_len": T, "cache_len": C, "chunks": 2, "cache_io": "sliding"})
+    plan = kv_cache.variants(graph, of({"seq_len": T, "cache_len": C, "chunks": 2, "cache_io": "sliding"}))
     assert [v.name for v in plan] == ["prefill_0", "prefill_1", "decode_0", "decode_1"]
     assert plan[1].options == {"kv_cache": True, "variant": "prefill", "seq_len": T, "cache_len": C,
                                "cache_io": "sliding", "chunks": 2, "chunk": 1, "max_positions": T + C}
     assert plan[2].options["seq_len"] == 1 and plan[2].options["max_positions"] == T + C
-    defaults = kv_cache.variants(graph, {})
+    defaults = kv_cache.variants(graph, of({}))
     assert [v.name for v in defaults] == ["prefill", "decode"]
     assert defaults[0].options["seq_len"] == 128 and defaults[0].options["cache_len"] == 512
     assert defaults[0].options["cache_io"] == "new"
@@ -35,17 +36,17 @@ def test_variants_prefill_decode_per_chunk(exported):
 
 def test_variants_model_without_cache_is_one_graph_unless_asked(exported):
     graph = mmodel.load(exported("qwen2", "legacy17", cache=False)).graph
-    assert [v.name for v in kv_cache.variants(graph, {"seq_len": T})] == ["model"]
-    assert [v.name for v in kv_cache.variants(graph, {"kv_cache": True})] == ["prefill", "decode"]
-    assert [v.name for v in kv_cache.variants(graph, {"kv_cache": False})] == ["model"]
+    assert [v.name for v in kv_cache.variants(graph, of({"seq_len": T}))] == ["model"]
+    assert [v.name for v in kv_cache.variants(graph, of({"kv_cache": True}))] == ["prefill", "decode"]
+    assert [v.name for v in kv_cache.variants(graph, of({"kv_cache": False}))] == ["model"]
 
 
 def test_variants_refuse_bad_options(exported):
     graph = mmodel.load(exported("qwen2", "legacy17", cache=True)).graph
-    with pytest.raises(InputError, match="--cache-io ring: expected one of new, sliding"):
-        kv_cache.variants(graph, {"cache_io": "ring"})
+    with pytest.raises(InputError, match="option 'cache_io': expected one of new, sliding, got 'ring'"):
+        kv_cache.variants(graph, of({"cache_io": "ring"}))
     with pytest.raises(InputError, match="--chunks 3 does not divide the model's 2 decoder layers evenly"):
-        kv_cache.variants(graph, {"chunks": 3})
+        kv_cache.variants(graph, of({"chunks": 3}))
 
 
 @pytest.mark.parametrize("exporter", ["legacy17", "dynamo", "hf"])

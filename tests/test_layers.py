@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import networkx as nx
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"compiler": "mtkc", "passes": "mtkc.passes"}
 
@@ -96,6 +98,12 @@ def test_no_function_level_imports():
     local = [f"{m}:{line} imports {t} inside a function" for m, line, t, is_local in edges()
              if is_local and (m, t) not in ALLOWED]
     assert not local, "move shared code down instead:\n" + "\n".join(local)
+
+
+def test_no_import_cycles():
+    """Modules of one row may import each other, but never in a circle."""
+    graph = nx.DiGraph((m, t) for m, _, t, _ in edges() if m != t)
+    assert not list(nx.simple_cycles(graph)), "import cycles"
 
 
 def test_allow_list_is_current():

@@ -99,3 +99,14 @@ def test_options_are_frozen_and_typed():
     assert of({"seq_len": MAX_LEN}).seq_len == MAX_LEN
     with pytest.raises(InputError, match="option 'no_such': unknown option"):
         of({"no_such": 1})
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--atol", "nan", "--atol: expected a finite number >= 0, got nan"),
+    ("--rtol", "-1e-3", "--rtol: expected a finite number >= 0, got -0.001"),
+    ("--min-cosine", "nan", "--min-cosine: expected a number in -1..1, got nan"),
+    ("--min-cosine", "2", "--min-cosine: expected a number in -1..1, got 2.0"),
+])
+def test_verify_tolerances(capsys, tmp_path, flag, value, message):
+    code, out, err = mtkc(capsys, "verify", tmp_path, f"{flag}={value}")
+    assert (code, out, err) == (2, "", f"mtkc: error: {message}\n")

@@ -103,7 +103,14 @@ def markdown(manifest: dict, report: dict) -> str:
         lines += _table(["pass", "rewrites", "nodes before", "nodes after", "misses"], [
             [p["name"], p.get("rewrites", ""), p.get("nodes_before", ""), p.get("nodes_after", ""), len(p.get("misses", []))]
             for p in passes])
+        notes = [f"- `{p['name']}` ({p.get('graph', 'model')}): {_escape(n)}" for p in passes for n in p.get("notes", [])]
+        if notes:
+            lines += ["", "### Notes from the passes", "", *notes]
     return "\n".join(lines) + "\n"
+
+
+def _escape(text: str) -> str:
+    return str(text).replace("\n", " ")
 
 
 def _converter(section: dict | None) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from mtkc.commands import options
 from mtkc.display import escape
+from mtkc.commands.partitioning import add_placement
 from mtkc.pipeline.check import CheckReport, check
 
 EXAMPLES = 3  # example node names per row in the text table
@@ -24,6 +25,7 @@ def add_parser(sub) -> None:
     options.add_shapes(p)
     options.add_pipeline(p)
     options.add_llm(p)
+    add_placement(p)
     p.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
     p.add_argument("--strict", action="store_true", help="exit 1 when compile would leave any node on the CPU")
     p.add_argument("-o", "--output", metavar="FILE", help="write the report to FILE instead of stdout")

@@ -6,7 +6,7 @@ import argparse
 import logging
 
 from mtkc.commands.options import add_common, add_llm, add_pipeline, add_shapes, add_target, from_args
-from mtkc.commands.partitioning import add_partitioning
+from mtkc.commands.partitioning import add_converter, add_placement
 from mtkc.display import escape
 from mtkc.errors import InputError
 from mtkc.manager.pass_manager import load_registry
@@ -32,7 +32,8 @@ def add_parser(sub) -> None:
     p.add_argument("--verify-each", action="store_true", default=None, help="run onnxruntime after every changing pass; name the first that changes the numbers")
     p.add_argument("--explain", metavar="PASS", help="print the sites PASS looked at and refused, with the reason")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    add_partitioning(p)
+    add_placement(p)
+    add_converter(p)
     add_common(p)
     p.set_defaults(func=run)
 

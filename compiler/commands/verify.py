@@ -9,6 +9,7 @@ import sys
 from mtkc.commands.options import add_common
 from mtkc.errors import InputError, MismatchError
 from mtkc.pipeline.oracle import NEW_TOKENS
+from mtkc.options import check_tolerances
 from mtkc.pipeline.verify import format_text, verify
 
 
@@ -45,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--samples {args.samples}: must be at least 1")
     if args.new_tokens < 0:
         raise InputError(f"--new-tokens {args.new_tokens}: must be >= 0")
+    check_tolerances(args.atol, args.rtol, args.min_cosine)
     result = verify(args.out, samples=args.samples, atol=args.atol, rtol=args.rtol,
                     min_cosine=args.min_cosine, model=args.model, new_tokens=args.new_tokens)
     if args.format == "json":

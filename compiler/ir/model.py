@@ -78,6 +78,8 @@ class ExternalValues(gs.ir.tensor.LazyValues):
 def load(path: str | os.PathLike) -> Model:
     """Load `path` without reading any weight byte; validate structure and external data."""
     path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{path}: is a directory; give the model's .onnx file")
     if not path.is_file():
         raise InputError(f"{path}: no such model file")
     size = path.stat().st_size

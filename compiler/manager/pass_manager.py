@@ -197,6 +197,9 @@ def resolve_pipeline(
                 log.debug("pipeline: '%s' is not registered yet; skipped", name)
         for name in registry.enabled:
             after = registry.get(name).after
+            if after is not None and after not in registry.names():
+                raise InputError(f"pass '{name}' ({registry.get(name).origin}): after = {after!r} names no pass; "
+                                 f"passes: {', '.join(sorted(registry.names()))}")
             if name in names:
                 continue
             names.insert(names.index(after) + 1 if after in names else len(names), name)

@@ -2,7 +2,8 @@
 
     build(model, options, table) -> Build
         raw verdicts (the input, dims bound as the user bound them)
-        ─► defaults: dims left unbound get MediaTek's LLM convention (T = 128, C = 512, batch 1)
+        ─► defaults: dims left unbound get MediaTek's LLM convention (T = 128, C = 512, batch 1),
+            unless the user's pipeline leaves out bind-shapes
         ─► plan the graphs (`model`, or prefill/decode per chunk)
         ─► per graph: fresh graph ─► pass pipeline ─► NPU/CPU partitions
         ─► choices the user left open (rope_mode) take the value with the best placement
@@ -87,7 +88,9 @@ def build(model: Model, options: Options, table, observe: Callable[[Pass, gs.Gra
     result = Build(options, [])
     if raw and isinstance(table, Table):
         result.raw, result.unbound = raw_assessment(model.fresh(), table, options)
-    result.bound = llm_defaults(model.graph, options)
+    binds = options.passes is None or "bind-shapes" in options.passes
+    if binds and "bind-shapes" not in options.skip_passes:
+        result.bound = llm_defaults(model.graph, options)
     options = result.options = options.replace(**result.bound)
     plan = plan_variants(model.graph, options)
     for i, variant in enumerate(plan):

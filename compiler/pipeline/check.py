@@ -16,6 +16,7 @@ from typing import Any
 
 import onnx_graphsurgeon as gs
 
+from mtkc.errors import MtkcError
 from mtkc.ir.model import load
 from mtkc.manager.pass_manager import load_registry
 from mtkc.options import Options, of
@@ -163,8 +164,12 @@ def check(model_path, sdk: str, options: Options | dict[str, Any] | None = None,
     raw_model = model.fresh()
     raw, unbound = raw_assessment(raw_model, table, options)
     watch.update(n for g in raw.groups for n in g.nodes)
-    result = build(model, options, table, observe=track, raw=False)
     report = CheckReport(table.version, table.arch, str(model_path), raw, unbound)
+    try:
+        result = build(model, options, table, observe=track, raw=False)
+    except MtkcError as exc:  # the raw verdicts still stand; say why compile's outcome is missing
+        log.warning("mtkc: compile would stop: %s; the verdict below is the input's", exc)
+        return report
     _add_build(report, result)
     report.rewritten_by = fixed
     return report

@@ -50,10 +50,15 @@ NAME_RE = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
 
 @dataclass
 class Miss:
-    """A candidate site a rewrite looked at and refused, with the first failing condition."""
+    """A candidate site a rewrite looked at and refused, with the first failing condition.
+    `node` is the node or its name."""
 
     node: str
     reason: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.node, str):
+            self.node = getattr(self.node, "name", None) or str(self.node)
 
 
 @dataclass
