@@ -44,8 +44,16 @@ def test_variants_refuse_bad_options(exported):
     graph = mmodel.load(exported("qwen2", "legacy17", cache=True)).graph
     with pytest.raises(InputError, match="--cache-io ring: expected one of new, sliding"):
         kv_cache.variants(graph, {"cache_io": "ring"})
-    with pytest.raises(InputError, match="--chunks 3 does not divide the model's 2 decoder layers evenly"):
-        kv_cache.variants(graph, {"chunks": 3})
+    for n in (0, 3):
+        with pytest.raises(InputError, match=rf"^--chunks {n}: expected 1\.\.2 \(the model has 2 decoder layers\)$"):
+            kv_cache.variants(graph, {"chunks": n})
+
+
+def test_chunk_ranges_split_as_evenly_as_possible():
+    assert [len(r) for r in kv_cache.chunk_ranges(28, 3)] == [10, 9, 9]
+    assert [(r.start, r.stop) for r in kv_cache.chunk_ranges(7, 3)] == [(0, 3), (3, 5), (5, 7)]
+    assert [len(r) for r in kv_cache.chunk_ranges(24, 4)] == [6] * 4
+    assert kv_cache.chunk_ranges(2, 2) == [range(0, 1), range(1, 2)]
 
 
 @pytest.mark.parametrize("exporter", ["legacy17", "dynamo", "hf"])
