@@ -370,10 +370,23 @@ def _export_genai(model, out_dir: Path, precision: str) -> None:
 
     with tempfile.TemporaryDirectory() as hf_dir:
         save_model(model, hf_dir)
+        _word_tokenizer(model.config.vocab_size).save_pretrained(hf_dir)  # the builder loads one
         proc = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", hf_dir, "-o", str(out_dir),
                                "-p", precision, "-e", "cpu"], capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"onnxruntime_genai.models.builder failed: {proc.stderr.strip()[-2000:]}")
+
+
+def _word_tokenizer(vocab_size: int):
+    """A whitespace word-level tokenizer over tokens `t0..t{V-1}` (no hub: a model needs some tokenizer)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", pad_token="t0", bos_token="t1",
+                                   eos_token="t2")
 
 
 def _export_dynamo_ortfused(model, path: Path, cache: bool) -> None:

@@ -13,6 +13,7 @@ DEFAULT = [
     "bind-shapes",
     "contrib-ops",  # before fold: a constant operand's Transpose is folded (or kept, per fold's policy)
     "fold",
+    "int4-weights",  # after fold: mtkc never folds the int8 codes into float weights
     "cleanup",
     "opset17",
     "rope",
