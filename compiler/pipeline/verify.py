@@ -195,7 +195,7 @@ class Host:
 
 
 def build_feeds(original_inputs, compiled_inputs: list[dict], vocab: int, seed: int,
-                host: Host | None = None) -> tuple[dict, dict]:
+                host: Host | None = None, aliases: dict[str, str] | None = None) -> tuple[dict, dict]:
     """Seeded feeds for the original model and the equivalent feeds for the compiled graph.
 
     When the compiled graph has a KV cache the original lacks (cache inserted by mtkc), the
@@ -204,6 +204,7 @@ def build_feeds(original_inputs, compiled_inputs: list[dict], vocab: int, seed: 
     host = host or Host()
     by_name = {i["name"]: i for i in compiled_inputs}
     kv_of = _kv_names(by_name, "past", KV_INPUT)  # original cache input name -> compiled past_*_i
+    kv_of.update((o, c) for o, c in (aliases or {}).items() if c in by_name)  # found by structure
     dims: dict[str, int] = {}  # symbolic dims of the original, unified with the compiled shapes
     for arg in original_inputs:
         twin = by_name.get(kv_of.get(arg.name, arg.name))
@@ -319,7 +320,9 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
         raise
     except Exception as exc:
         raise InputError(f"{source}: the original model does not load in onnxruntime ({type(exc).__name__})") from None
+    aliases = _export_names(source)  # cache I/O and logits the exporter named its own way
     original_outputs = [o.name for o in reference.get_outputs()]
+    original_outputs += [aliases[o] for o in original_outputs if o in aliases]
     worst: dict[tuple, Check] = {}
     skipped: list[str] = []
     sessions: dict = {}
@@ -334,8 +337,10 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
                     host_inputs.setdefault(i["name"], i)
         vocab = _vocab(next((g for g in chain if any(o["name"] == "logits" for o in g["outputs"])), chain[-1]), reference)
         for sample in range(samples):
-            orig_feeds, feeds = build_feeds(reference.get_inputs(), list(host_inputs.values()), vocab, sample, host)
+            orig_feeds, feeds = build_feeds(reference.get_inputs(), list(host_inputs.values()), vocab, sample, host,
+                                            aliases)
             expected = run_session(reference, orig_feeds)
+            expected.update({aliases[k]: v for k, v in list(expected.items()) if k in aliases})
             for pipeline in ("partitions", "graph"):
                 made: dict[tuple[str, str], np.ndarray] = {}
                 for g in chain:
@@ -388,6 +393,18 @@ def format_text(result: Result) -> str:
     lines.append(f"{verdict} ({result.samples} sample(s), atol {result.atol:g}, rtol {result.rtol:g}, "
                  f"min cosine {result.min_cosine:g})")
     return "\n".join(lines)
+
+
+def _export_names(source: Path) -> dict[str, str]:
+    """{export name: contract name} of the export's cache I/O and logits, found by structure."""
+    import onnx_graphsurgeon as gs
+
+    from mtkc.passes.kv_cache import export_names
+
+    try:
+        return export_names(gs.import_onnx(onnx.load(str(source), load_external_data=False)))
+    except InputError:
+        return {}
 
 
 def _vocab(graph: dict, reference) -> int:
