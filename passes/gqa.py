@@ -39,6 +39,11 @@ def _input(node: gs.Node, i: int) -> gs.Tensor | None:
     return node.inputs[i] if len(node.inputs) > i and node.inputs[i].name else None
 
 
+def _scalar(e: Emit, what: str, value: int) -> gs.Constant:
+    """A 0-d int64 constant (Range takes scalars; `Emit.const` makes arrays at least 1-d)."""
+    return gs.Constant(e.name(what), np.array(value, np.int64))
+
+
 def _refusal(node: gs.Node, mask: gs.Tensor | None) -> str | None:
     a = node.attrs
     if a.get("rotary_interleaved", 0):
@@ -94,13 +99,13 @@ class _Shared:
         """Where(visible, 0, finfo.min) [B,1,S,L]: key j visible to query i iff j <= L-S+i and mask[j]."""
         if self.bias is None:
             e, i64 = self.e, np.int64
-            total = e.op("Gather", [e.op("Shape", [self.mask], dtype=i64), e.ints("one", 1)], {"axis": 0}, dtype=i64)
-            seq = e.op("Gather", [e.op("Shape", [q4], dtype=i64), e.ints("two", 2)], {"axis": 0}, dtype=i64)
-            zero, one = e.const("zero", np.array(0, i64)), e.const("step", np.array(1, i64))
-            total0 = e.op("Squeeze", [total], dtype=i64)
-            kv = e.op("Range", [zero, total0, one], dtype=i64)
-            q = e.op("Range", [e.op("Sub", [total0, e.op("Squeeze", [seq], dtype=i64)], dtype=i64), total0, one],
-                     dtype=i64)
+            total = e.op("Gather", [e.op("Shape", [self.mask], dtype=i64), _scalar(e, "one", 1)],
+                         {"axis": 0}, dtype=i64, shape=[])
+            seq = e.op("Gather", [e.op("Shape", [q4], dtype=i64), _scalar(e, "two", 2)], {"axis": 0},
+                       dtype=i64, shape=[])
+            zero, one = _scalar(e, "zero", 0), _scalar(e, "step", 1)
+            kv = e.op("Range", [zero, total, one], dtype=i64)
+            q = e.op("Range", [e.op("Sub", [total, seq], dtype=i64, shape=[]), total, one], dtype=i64)
             causal = e.op("LessOrEqual", [e.op("Unsqueeze", [kv, e.ints("ax0", 0)], dtype=i64),
                                           e.op("Unsqueeze", [q, e.ints("ax1", 1)], dtype=i64)], dtype=np.bool_)
             keep = e.op("Unsqueeze", [e.op("Cast", [self.mask], {"to": 9}, dtype=np.bool_), e.ints("ax12", 1, 2)],
@@ -165,6 +170,20 @@ def _rotate(e: Emit, x: gs.Tensor, d: int, cos: gs.Tensor, sin: gs.Tensor) -> gs
     second = e.op("Slice", [x, e.ints("half", d // 2), e.ints("end", d), axis], dtype=f32)
     rotated = e.op("Concat", [e.op("Neg", [second], dtype=f32), first], {"axis": -1}, dtype=f32)
     return e.op("Add", [e.op("Mul", [x, cos], dtype=f32), e.op("Mul", [rotated, sin], dtype=f32)], dtype=f32)
+
+
+def cache_inputs(graph: gs.Graph) -> dict[str, tuple[int, int]]:
+    """{past_key / past_value input name: (kv heads, head dim)} of every GroupQueryAttention."""
+    found = {}
+    for node in graph.nodes:
+        if node.op == "GroupQueryAttention" and node.domain == MS:
+            heads, kv_heads = int(node.attrs["num_heads"]), int(node.attrs["kv_num_heads"])
+            d = _head_size(node, heads, kv_heads)
+            for i in (3, 4):
+                past = _input(node, i)
+                if d and past is not None and past in graph.inputs:
+                    found[past.name] = (kv_heads, d)
+    return found
 
 
 def _mask_input(graph: gs.Graph) -> gs.Variable | None:

@@ -148,3 +148,26 @@ def test_verify_pairs_the_exports_own_io(exporter, family, compiled):
     result = verify(compiled(exporter, family, "8.0"), samples=1)
     assert result.ok and not result.skipped
     assert {c.output for c in result.checks} == {"logits"} | {f"present_{k}_{i}" for i in range(2) for k in ("key", "value")}
+
+
+@pytest.mark.parametrize("exporter", ["genai-fp32", "genai-int4"])
+def test_genai_passes_keep_the_numbers(exporter, exported, tmp_path):
+    """--verify-each: gqa, kv-cache, int4-weights ... each keep onnxruntime's numbers (int4: on a copy
+    computing MatMulNBits in fp32, accuracy_level 0 -- level 4 quantises activations to int8)."""
+    source = exported("qwen2", exporter, cache=True)
+    if exporter == "genai-int4":
+        copy = tmp_path / "src"
+        shutil.copytree(source.parent, copy)
+        model = onnx.load(str(copy / "model.onnx"), load_external_data=False)
+        for node in model.graph.node:
+            for attr in node.attribute:
+                if attr.name == "accuracy_level":
+                    attr.i = 0
+        onnx.save(model, str(copy / "model.onnx"))
+        source = copy / "model.onnx"
+    result = compile_model(source, "8.0", tmp_path / "out", {"seq_len": T, "cache_len": C, "verify_each": True})
+    def rewrites(name):
+        return sum(r.rewrites for r in result.records if r.name == name)
+
+    assert rewrites("gqa") == 4  # 2 layers, in prefill and decode
+    assert rewrites("int4-weights") == (2 * 12 if exporter == "genai-int4" else 0)  # 11 MatMulNBits + embedding

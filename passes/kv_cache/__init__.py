@@ -15,7 +15,7 @@ computes its shapes with Shape ops, so an inserted past concat propagates), `kv-
     plan        the variants (prefill/decode per chunk) and the chunk ranges
 """
 
-from mtkc.passes.kv_cache.cache_pass import KvCache, export_names
+from mtkc.passes.kv_cache.cache_pass import KvCache, cache_head_dims, export_names
 from mtkc.passes.kv_cache.chunks import LayerChunks, layer_boundaries
 from mtkc.passes.kv_cache.detect import KINDS, LayerCache, cache_concat, find_caches, layer_caches
 from mtkc.passes.kv_cache.insert import NEW_TOKEN_MASK, insert_cache
@@ -24,5 +24,5 @@ from mtkc.passes.kv_cache.plan import (CACHE_IO, DEFAULT_CACHE_LEN, DEFAULT_SEQ_
                                        variants)
 
 __all__ = ["CACHE_IO", "DEFAULT_CACHE_LEN", "DEFAULT_SEQ_LEN", "KINDS", "NEW_TOKEN_MASK", "KvCache", "KvCacheIo",
-           "LayerCache", "LayerChunks", "Variant", "cache_concat", "export_names", "chunk_ranges", "contract_order", "find_caches",
+           "LayerCache", "LayerChunks", "Variant", "cache_concat", "cache_head_dims", "export_names", "chunk_ranges", "contract_order", "find_caches",
            "insert_cache", "layer_boundaries", "layer_caches", "variants"]

@@ -81,20 +81,33 @@ class KvCache(Pass):
 
 
 def _bind_head_dims(graph: gs.Graph, layers: list[LayerCache], ctx: Context) -> None:
-    """Cache input axes 1 and 3 (kv heads, head dim) from the shape of the entries concatenated to
-    them, when the export left them symbolic (dynamo's `s35`, onnxruntime-genai's `kv_cache_dim`)."""
+    """Cache input axes 1 and 3 (kv heads, head dim), when the export left them symbolic."""
+    dims = cache_head_dims(graph, ctx.root)
+    for layer in layers:
+        for past in layer.past.values():
+            if past.shape is not None and past.name in dims:
+                past.shape = [dims[past.name][a // 2] if a in (1, 3) and not isinstance(d, int) else d
+                              for a, d in enumerate(past.shape)]
+
+
+def cache_head_dims(graph: gs.Graph, root=None) -> dict[str, tuple[int, int]]:
+    """{cache input name: (kv heads, head dim)}, found by structure whatever the exporter called the
+    dims (dynamo's `s35`, onnxruntime-genai's `kv_cache_dim`): from the shape of the entries a
+    Concat appends to the input, or from the GroupQueryAttention that consumes it."""
+    from mtkc.passes.gqa import cache_inputs
+
+    found = dict(cache_inputs(graph))
+    layers = find_caches(graph)
     pasts = [layer.past[k] for layer in layers for k in KINDS]
-    if all(p.shape is not None and all(isinstance(p.shape[a], int) for a in (1, 3)) for p in pasts):
-        return
-    probe = probe_shapes(graph, ctx.root, keep={id(p) for p in pasts})
+    if not pasts:
+        return found
+    probe = probe_shapes(graph, root, keep={id(p) for p in pasts})
     for layer in layers:
         for kind in KINDS:
-            past, new = layer.past[kind], layer.concat[kind].inputs[1]
-            shape = probe.get(new.name)
-            if past.shape is None or shape is None or len(shape) != 4:
-                continue
-            past.shape = [shape[a] if a in (1, 3) and isinstance(shape[a], int) else d
-                          for a, d in enumerate(past.shape)]
+            shape = probe.get(layer.concat[kind].inputs[1].name)
+            if shape is not None and len(shape) == 4 and all(isinstance(shape[a], int) for a in (1, 3)):
+                found[layer.past[kind].name] = (shape[1], shape[3])
+    return found
 
 
 def _name_io(graph: gs.Graph, layers: list[LayerCache]) -> dict[str, str]:
