@@ -23,6 +23,23 @@ Exporters (`export(model, out_dir, exporter, cache)`), as they behave with torch
 * ``dynamo-ortfused``: ``dynamo``, then onnxscript's ``ort_fusions.optimize_for_ort``: com.microsoft
   MultiHeadAttention (per layer, on the already repeated K/V) and SkipSimplifiedLayerNormalization,
   one SimplifiedLayerNormalization; for tied Qwen2, FusedMatMul(transB) for the lm_head.
+* ``hf-generate``: transformers' generation export (``decompose_for_generation`` -- what
+  ``OnnxExporter.export_for_generation`` exports per stage -- with ``multi_token_decode=True``, so the
+  query axis stays dynamic): with cache the ``decode`` stage (``input_ids, position_ids,
+  input.cache.layers.{i}.keys/values`` -> ``logits, output.cache.layers.{i}.*``), without the
+  ``prefill`` stage; **no attention_mask input**: the causal mask is built from shapes alone
+  (Range/LessOrEqual, then Not/Cast/Mul additive and a Less(ReduceSum) row guard).
+* ``dynamo-cacheobj``: ``torch.onnx.export(model, kwargs=..., dynamo=True)`` of the model itself with a
+  ``DynamicCache`` argument (transformers' pytree registration, its auto dynamic shapes): inputs
+  ``input_ids, attention_mask, position_ids, cache_0..`` (every cache dim symbolic, head dims
+  included), outputs ``linear_N`` (logits) and ``cat_N`` (presents). Without cache: plain kwargs.
+* ``genai-fp32`` / ``genai-int4``: onnxruntime-genai's model builder (``python -m
+  onnxruntime_genai.models.builder -p fp32|int4 -e cpu``) on the saved model: opset 21+, packed-QKV
+  com.microsoft GroupQueryAttention (``do_rotary=1``, cos/sin caches, seqlens_k and
+  total_sequence_length from the 2-D mask, past/present consumed by the op; head dim
+  ``kv_cache_dim``), (Skip)SimplifiedLayerNormalization; int4: MatMulNBits (block 32) and
+  GatherBlockQuantized. Always with cache I/O; ``genai_config.json`` beside the model (for
+  ``og.Generator``). Needs the ``onnxruntime-genai`` package.
 * ``ortopt``: a ``legacy17`` export run through ``onnxruntime.transformers.optimizer``
   (model_type ``qwen3``, the closest; it fuses RMSNorm into (Skip)SimplifiedLayerNormalization only;
   needs ~6x the weights in RAM for real sizes).
@@ -48,7 +65,8 @@ from pathlib import Path
 
 FAMILIES = ("qwen2", "llama")
 SIZES = ("tiny", "0.5b", "1.5b")
-EXPORTERS = ("legacy14", "legacy17", "dynamo", "hf", "hf-ortfused", "dynamo-ortfused", "ortopt")
+EXPORTERS = ("legacy14", "legacy17", "dynamo", "hf", "hf-ortfused", "dynamo-ortfused", "ortopt", "hf-generate",
+             "dynamo-cacheobj", "genai-fp32", "genai-int4")
 TRACE_BATCH, TRACE_SEQ, TRACE_PAST = 2, 7, 5
 
 _DIMS = {  # hidden, layers, heads, kv heads, intermediate, vocab
@@ -238,6 +256,12 @@ def _export(model, out_dir: Path, path: Path, exporter: str, cache: bool) -> Non
         _export_dynamo_ortfused(model, path, cache)
     elif exporter in ("hf", "hf-ortfused"):
         _export_hf(model, out_dir, cache, ort_fusions="cpu" if exporter == "hf-ortfused" else None)
+    elif exporter == "hf-generate":
+        _export_hf_generate(model, out_dir, path, cache)
+    elif exporter == "dynamo-cacheobj":
+        _export_dynamo_cacheobj(model, path, cache)
+    elif exporter.startswith("genai-"):
+        _export_genai(model, out_dir, exporter.split("-")[1])
     else:
         _export_ortopt(model, path, cache)
 
@@ -302,6 +326,67 @@ def _export_hf(model, out_dir: Path, cache: bool, ort_fusions: str | None) -> No
     with torch.no_grad(), contextlib.redirect_stdout(sys.stderr):  # torch.onnx progress lines
         program = OnnxExporter().export(model, sample, config=OnnxConfig(dynamic=True, ort_fusions=ort_fusions))
     program.save_pretrained(out_dir)
+
+
+def _export_hf_generate(model, out_dir: Path, path: Path, cache: bool) -> None:
+    """One stage of transformers' generation export, saved as `model.onnx` (+ its `.data`)."""
+    import torch
+    from transformers.exporters import OnnxConfig, OnnxExporter
+    from transformers.exporters.utils import decompose_for_generation
+
+    ids = trace_inputs(model.config, False, batch=1)[0]
+    sample = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "max_new_tokens": 3}
+    stage = "decode" if cache else "prefill"
+    with torch.no_grad(), contextlib.redirect_stdout(sys.stderr):
+        submodel, inputs = decompose_for_generation(model, sample, multi_token_decode=True)[stage]
+        program = OnnxExporter().export(submodel, inputs, config=OnnxConfig(dynamic=True))
+    program.save_pretrained(out_dir)
+    (out_dir / "model.onnx").replace(path)  # the external data keeps its file name
+
+
+def _export_dynamo_cacheobj(model, path: Path, cache: bool) -> None:
+    """The model itself, a DynamicCache among its kwargs (transformers registers the cache pytrees)."""
+    import torch
+    from transformers import DynamicCache
+    from transformers.exporters.exporter_dynamo import get_auto_dynamic_shapes, register_cache_pytrees_for_model
+
+    feeds = trace_inputs(model.config, cache)
+    kwargs = {"input_ids": feeds[0], "attention_mask": feeds[1]}
+    if cache:
+        past = feeds[3:]
+        kwargs["position_ids"] = feeds[2]
+        kwargs["cache"] = DynamicCache([(past[i], past[i + 1]) for i in range(0, len(past), 2)], config=model.config)
+        register_cache_pytrees_for_model(model)
+    shapes = get_auto_dynamic_shapes(kwargs)
+    with torch.no_grad(), contextlib.redirect_stdout(sys.stderr):
+        torch.onnx.export(model, (), str(path), kwargs={**kwargs, "use_cache": cache}, dynamo=True,
+                          external_data=True, dynamic_shapes={**shapes, "use_cache": None})
+
+
+def _export_genai(model, out_dir: Path, precision: str) -> None:
+    """onnxruntime-genai's model builder on the saved model (a subprocess: it is a CLI)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as hf_dir:
+        save_model(model, hf_dir)
+        _word_tokenizer(model.config.vocab_size).save_pretrained(hf_dir)  # the builder loads one
+        proc = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", hf_dir, "-o", str(out_dir),
+                               "-p", precision, "-e", "cpu"], capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"onnxruntime_genai.models.builder failed: {proc.stderr.strip()[-2000:]}")
+
+
+def _word_tokenizer(vocab_size: int):
+    """A whitespace word-level tokenizer over tokens `t0..t{V-1}` (no hub: a model needs some tokenizer)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0", pad_token="t0", bos_token="t1",
+                                   eos_token="t2")
 
 
 def _export_dynamo_ortfused(model, path: Path, cache: bool) -> None:

@@ -13,6 +13,8 @@ value from, in order:
     attention_mask 2-D                                      [batch, total]
     attention_mask 4-D                                      [batch, 1, seq, total]
     past* / *cache* inputs (4-D)                            [batch, heads, cache, head_dim]
+    inputs found to be a KV cache by structure              the same, heads and head_dim from the
+      (`kv_cache.cache_head_dims`, whatever their names)    entries appended to them / their attention op
 
 total = seq + cache when the graph has past inputs, else seq. `batch` defaults to 1 once any
 dim is bound. Refuses (Miss) a dim it cannot value; a static dim that contradicts the request
@@ -84,7 +86,8 @@ class BindShapes(Pass):
         unknown = sorted(set(explicit) - {t.name for t in graph.inputs})
         if unknown:
             raise InputError(f"--input-shape: the model has no input '{unknown[0]}'")
-        past = has_past(graph)
+        heads = _head_dims(graph, ctx)
+        past = has_past(graph) or bool(heads)
         if ctx.options.cache_len and not past:
             result.notes.append("--cache-len ignored: the model has no past/cache inputs")
         values = role_values(ctx.options, past)
@@ -103,7 +106,7 @@ class BindShapes(Pass):
                 result.rewrites += sum(1 for d in shape if not _static(d))
                 t.shape = dims
                 continue
-            roles = input_roles(t.name, len(shape))
+            roles = _roles(t, heads)
             for axis, d in enumerate(shape):
                 value = _numeric(d)
                 role = roles.get(axis) or SYMBOL_ROLES.get(str(d).strip() if d is not None else "")
@@ -118,12 +121,14 @@ class BindShapes(Pass):
                     _learn(symbols, d, value, t.name)
             pending.append(t)
         for t in pending:
-            shape, roles = list(t.shape or []), input_roles(t.name, len(t.shape or []))
+            shape, roles = list(t.shape or []), _roles(t, heads)
             for axis, d in enumerate(shape):
                 if _static(d):
                     continue
                 role = roles.get(axis) or SYMBOL_ROLES.get(str(d).strip() if d is not None else "")
                 value = _numeric(d)
+                if value is None and t.name in heads and axis in (1, 3):
+                    value = heads[t.name][axis // 2]
                 if value is None and role is not None:
                     value = values[role]
                 if value is None and _symbol(d):
@@ -140,6 +145,22 @@ class BindShapes(Pass):
                 t.shape = [_evaluate(d, symbols) for d in t.shape]
         shapes.infer(graph, ctx.root)
         return result
+
+
+def _head_dims(graph, ctx: Context) -> dict[str, tuple[int, int]]:
+    """Structural KV-cache inputs -> (kv heads, head dim), looked for only when a rank-4 input has a
+    symbolic axis 1 or 3 (cheap otherwise: no shape probe)."""
+    if not any(len(t.shape or ()) == 4 and not all(_static(t.shape[a]) for a in (1, 3)) for t in graph.inputs):
+        return {}
+    from mtkc.passes.kv_cache import cache_head_dims
+
+    return cache_head_dims(graph, ctx.root)
+
+
+def _roles(t, heads: dict) -> dict[int, str]:
+    if t.name in heads and len(t.shape or ()) == 4:
+        return {0: "batch", 2: "cache"}
+    return input_roles(t.name, len(t.shape or []))
 
 
 def _static(d) -> bool:

@@ -21,6 +21,8 @@ shapes with a cache; without one, its Shape readers move to input_ids, which has
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx_graphsurgeon as gs
 
@@ -93,31 +95,15 @@ class Mask(Pass):
         self.value = contract_mask.value_of(ctx.options)
         self.replaced = old.name
         new = self._input(graph, ctx, old)
-        for site, index in sites:
-            if site.op == "Add":
-                site.inputs[index] = new
-            else:
-                out = site.outputs[0]
-                added = Emit(graph, site.name).op("Add", [site.inputs[1], new], dtype=out.dtype, shape=out.shape)
-                replace_uses(graph, out, added)
+        _rewire(graph, sites, new)
         result.rewrites = len(sites) + drop(graph, guards) + len(readers)
         toposort(cleanup(graph))
         graph.inputs = [t for t in graph.inputs if t is not old]
         return result
 
     def _input(self, graph: gs.Graph, ctx: Context, old: gs.Variable) -> gs.Variable:
-        seq = ctx.options.seq_len or _seq_dim(graph)
-        # --cache-len is moot for a model without a cache, unless kv-cache is about to insert one
-        cached = _has_cache(graph) or ctx.options.kv_cache
-        cache = ctx.options.cache_len if cached else None
-        if cache is not None:
-            total = int(seq) + int(cache) if isinstance(seq, int) or str(seq).isdigit() else f"{cache}+{seq}"
-        else:
-            total = old.shape[1] if _has_cache(graph) else seq
         old.name = f"{old.name}.2d"  # the new input takes the name; the old one leaves the graph
-        new = gs.Variable(NAME, dtype=np.float32, shape=[1, 1, seq, total])
-        graph.inputs.append(new)
-        return new
+        return _additive_input(graph, ctx, old.shape[1] if _has_cache(graph) else None)
 
     def map_feeds(self, feeds: dict, ctx: Context) -> dict:
         """The additive mask equivalent to the 2-D mask (batch 1): key j visible to query i iff
@@ -130,6 +116,66 @@ class Mask(Pass):
         seq = int(ctx.options.seq_len or _feed_seq(feeds) or total)
         feeds[NAME] = contract_mask.additive(seq, total, self.value, keep)[None, None]
         return feeds
+
+
+def _additive_input(graph: gs.Graph, ctx: Context, total) -> gs.Variable:
+    """The new `attention_mask` float input [1, 1, T, C+T] (symbols where not bound yet)."""
+    seq = ctx.options.seq_len or _seq_dim(graph)
+    # --cache-len is moot for a model without a cache, unless kv-cache is about to insert one
+    cached = _has_cache(graph) or ctx.options.kv_cache
+    cache = ctx.options.cache_len if cached else None
+    if cache is not None:
+        total = int(seq) + int(cache) if isinstance(seq, int) or str(seq).isdigit() else f"{cache}+{seq}"
+    elif total is None:
+        total = "total_sequence_length" if _has_cache(graph) else seq
+    new = gs.Variable(NAME, dtype=np.float32, shape=[1, 1, seq, total])
+    graph.inputs.append(new)
+    return new
+
+
+def _rewire(graph: gs.Graph, sites, new: gs.Variable) -> None:
+    """Each site adds `new` to the scores: its mask operand replaced, or Where(c, s, -big) -> Add(s, new)."""
+    for site, index in sites:
+        if site.op == "Add":
+            site.inputs[index] = new
+        else:
+            out = site.outputs[0]
+            added = Emit(graph, site.name).op("Add", [site.inputs[1], new], dtype=out.dtype, shape=out.shape)
+            replace_uses(graph, out, added)
+
+
+@dataclass
+class ImplicitMask:
+    """The additive input that replaced a mask computed from shapes alone (no mask input)."""
+
+    name: str
+    value: float
+
+    def map_feeds(self, feeds: dict, ctx: Context) -> dict:
+        """What the export attended: every key up to the query's own position (past P + i)."""
+        seq = int(_feed_seq(feeds) or 1)
+        past = next((np.asarray(v).shape[2] for k, v in sorted(feeds.items())
+                     if k.startswith("past_") and np.ndim(v) == 4), 0)
+        visible = np.arange(past + seq)[None, :] <= past + np.arange(seq)[:, None]
+        return {**feeds, self.name: np.where(visible, 0.0, self.value).astype(np.float32)[None, None]}
+
+
+def implicit_mask(graph: gs.Graph, ctx: Context) -> ImplicitMask | None:
+    """An export with no mask input whose attention adds a mask computed from shapes alone (e.g.
+    transformers' generation export: Range/LessOrEqual/Not/Cast/Mul, the row guard from
+    Less(ReduceSum)): that mask becomes the standard additive input; None when there is none."""
+    if _mask_input(graph) is not None or any(t.name == NAME for t in graph.inputs):
+        return None
+    varying = _downstream(list(graph.inputs))
+    static = {id(t) for node in graph.nodes for t in node.outputs if id(t) not in varying}
+    sites = [s for s in (_site(n, static, "shapes") for n in graph.nodes if n.op == "Softmax") if isinstance(s, tuple)]
+    if not sites:
+        return None
+    guards = list({id(n): (n, d) for n, d in row_guards(graph) + _guards(graph, static)}.values())
+    _rewire(graph, sites, _additive_input(graph, ctx, None))
+    drop(graph, guards)
+    toposort(cleanup(graph))
+    return ImplicitMask(NAME, contract_mask.value_of(ctx.options))
 
 
 def _site(softmax: gs.Node, derived: set[int], mask: str):

@@ -8,10 +8,12 @@ name passes before they land, and one list serves every SDK unless one needs ano
 from __future__ import annotations
 
 DEFAULT = [
+    "gqa",  # before kv-cache: the op's past/present become Concat(past, new, axis=2) like any export
     "kv-cache",  # first: finds/inserts the cache while shapes are still computed by Shape ops
     "bind-shapes",
     "contrib-ops",  # before fold: a constant operand's Transpose is folded (or kept, per fold's policy)
     "fold",
+    "int4-weights",  # after fold: mtkc never folds the int8 codes into float weights
     "cleanup",
     "opset17",
     "rope",

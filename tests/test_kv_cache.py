@@ -45,8 +45,17 @@ def test_variants_refuse_bad_options(exported):
     graph = mmodel.load(exported("qwen2", "legacy17", cache=True)).graph
     with pytest.raises(InputError, match="option 'cache_io': expected one of new, sliding, got 'ring'"):
         kv_cache.variants(graph, of({"cache_io": "ring"}))
-    with pytest.raises(InputError, match="--chunks 3 does not divide the model's 2 decoder layers evenly"):
+    with pytest.raises(InputError, match=r"^--chunks 3: expected 1\.\.2 \(the model has 2 decoder layers\)$"):
         kv_cache.variants(graph, of({"chunks": 3}))
+    with pytest.raises(InputError, match="chunks"):  # 0 never reaches the planner: Options refuses it
+        of({"chunks": 0})
+
+
+def test_chunk_ranges_split_as_evenly_as_possible():
+    assert [len(r) for r in kv_cache.chunk_ranges(28, 3)] == [10, 9, 9]
+    assert [(r.start, r.stop) for r in kv_cache.chunk_ranges(7, 3)] == [(0, 3), (3, 5), (5, 7)]
+    assert [len(r) for r in kv_cache.chunk_ranges(24, 4)] == [6] * 4
+    assert kv_cache.chunk_ranges(2, 2) == [range(0, 1), range(1, 2)]
 
 
 @pytest.mark.parametrize("exporter", ["legacy17", "dynamo", "hf"])

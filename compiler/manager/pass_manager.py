@@ -107,8 +107,9 @@ def builtin_passes() -> dict[str, type[Pass]]:
         except (Exception, SystemExit) as exc:  # sys.exit() in a plugin is its failure, not mtkc's exit
             raise PassError(f"built-in pass module {module} failed to import: {one_line(exc)}") from None
     rank = {module: i for i, module in enumerate(modules)}
-    builtins = [(name, cls) for name, cls in REGISTRY.items() if cls.__module__ in rank]
-    return dict(sorted(builtins, key=lambda item: rank[item[1].__module__]))
+    top = lambda cls: ".".join(cls.__module__.split(".")[:3])  # noqa: E731 -- a subpackage's modules
+    builtins = [(name, cls) for name, cls in REGISTRY.items() if top(cls) in rank]
+    return dict(sorted(builtins, key=lambda item: rank[top(item[1])]))
 
 
 @functools.cache

@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
 import onnxruntime as ort
 
 from mtkc.backend.manifest import sha256
@@ -44,6 +46,7 @@ from mtkc.display import escape
 from mtkc.errors import InputError, MismatchError
 from mtkc.ir.compare import compare
 from mtkc.ir.execute import session
+from mtkc.passes.kv_cache import export_names
 from mtkc.pipeline.oracle import NEW_TOKENS, Generation, Original, OriginalRun, compare_generation, prompts
 from mtkc.runtime.generate import Generator
 from mtkc.runtime.sessions import Sessions
@@ -199,7 +202,7 @@ class Host:
 
 
 def build_feeds(original_inputs, compiled_inputs: list[dict], vocab: int, seed: int,
-                host: Host | None = None) -> tuple[dict, dict]:
+                host: Host | None = None, aliases: dict[str, str] | None = None) -> tuple[dict, dict]:
     """Seeded feeds for the original model and the equivalent feeds for the compiled graph.
 
     When the compiled graph has a KV cache the original lacks (cache inserted by mtkc), the
@@ -209,6 +212,7 @@ def build_feeds(original_inputs, compiled_inputs: list[dict], vocab: int, seed: 
     by_name = {i["name"]: i for i in compiled_inputs}
     kv_of = {a.name: exporters.contract_name(a.name) for a in original_inputs
              if exporters.contract_name(a.name) in by_name}  # original cache input name -> compiled past_*_i
+    kv_of.update((o, c) for o, c in (aliases or {}).items() if c in by_name)  # found by structure
     dims: dict[str, int] = {}  # symbolic dims of the original, unified with the compiled shapes
     for arg in original_inputs:
         twin = by_name.get(kv_of.get(arg.name, arg.name))
@@ -325,12 +329,14 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
         raise
     except Exception as exc:
         raise InputError(f"{source}: the original model does not load in onnxruntime ({type(exc).__name__})") from None
+    aliases = _export_names(source)  # cache I/O and logits the exporter named its own way
     skipped: list[str] = []
     host = Host.from_manifest(manifest, out)
     generator = _runtime(out, skipped if new_tokens > 0 else [])  # sessions made, weights not yet touched
     runs = original_runs(generator, manifest, reference, new_tokens, skipped)
     original_outputs = [o.name for o in reference.get_outputs()]
-    planned = list(_expected(manifest, reference, samples, host))
+    original_outputs += [aliases[o] for o in original_outputs if o in aliases]
+    planned = list(_expected(manifest, reference, samples, host, aliases))
     del reference  # phase 2: the compiled graphs only
     generations = [_guarded(lambda: compare_generation(generator, run, compare, atol, rtol, min_cosine), "generation")
                    for run in runs]
@@ -360,7 +366,7 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
     return Result(checks, skipped, samples, atol, rtol, min_cosine, generations)
 
 
-def _expected(manifest: dict, reference, samples: int, host: Host):
+def _expected(manifest: dict, reference, samples: int, host: Host, aliases: dict[str, str]):
     """(chain, compiled feeds, the original's outputs) per chain and seeded sample."""
     for chain in chains(manifest.get("graphs", [])):
         host_inputs: dict[str, dict] = {}  # the chain's inputs that the host builds, first spec per name
@@ -370,8 +376,11 @@ def _expected(manifest: dict, reference, samples: int, host: Host):
                     host_inputs.setdefault(i["name"], i)
         vocab = _vocab(next((g for g in chain if any(o["name"] == io.LOGITS for o in g["outputs"])), chain[-1]), reference)
         for sample in range(samples):
-            orig_feeds, feeds = build_feeds(reference.get_inputs(), list(host_inputs.values()), vocab, sample, host)
-            yield chain, feeds, run_session(reference, orig_feeds)
+            orig_feeds, feeds = build_feeds(reference.get_inputs(), list(host_inputs.values()), vocab, sample, host,
+                                            aliases)
+            expected = run_session(reference, orig_feeds)
+            expected.update({aliases[k]: v for k, v in list(expected.items()) if k in aliases})
+            yield chain, feeds, expected
 
 
 def _runtime(out: Path, skipped: list[str]):
@@ -438,6 +447,14 @@ def format_text(result: Result) -> str:
     lines.append(f"{verdict} ({result.samples} sample(s), atol {result.atol:g}, rtol {result.rtol:g}, "
                  f"min cosine {result.min_cosine:g})")
     return "\n".join(lines)
+
+
+def _export_names(source: Path) -> dict[str, str]:
+    """{export name: contract name} of the export's cache I/O and logits, found by structure."""
+    try:
+        return export_names(gs.import_onnx(onnx.load(str(source), load_external_data=False)))
+    except InputError:
+        return {}
 
 
 def _vocab(graph: dict, reference) -> int:

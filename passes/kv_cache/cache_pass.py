@@ -1,0 +1,154 @@
+"""`kv-cache`: name the cache I/O of a decoder export, or insert one.
+
+    <cache input> ──► [Identity | Concat(1 input)]* ──► Concat(axis=2) ◄── K after RoPE
+    (found by structure: see `detect`)                      │
+                                                            ▼
+                                              <present output> ─► attention
+  ->  inputs  past_key_<i> / past_value_<i> [1,Hkv,C,D] (Hkv, D bound here from the new entries'
+      shape, whatever the exporter called them; batch and C by `bind-shapes`)
+      outputs logits [1,T,V], present_key_<i> / present_value_<i> = the concat [1,Hkv,C+T,D].
+An export whose attention reads no mask input (transformers' generation export builds a causal
+mask from shapes alone, so every zero-filled static cache slot would be attended) gets the
+standard additive `attention_mask` [1,1,T,C+T] input (`mask.implicit_mask`).
+Without cache I/O, `insert.insert_cache` splices the cache in.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from mtkc.passes.kv_cache.detect import KINDS, LayerCache, find_caches
+from mtkc.passes.kv_cache.insert import NEW_TOKEN_MASK, insert_cache, mask_first, probe_shapes
+from mtkc.passes.kv_cache.plan import DEFAULT_CACHE_LEN, kv_on
+from mtkc.contract import mask as contract_mask
+from mtkc.rewrite.pass_api import Context, Pass, PassResult, register
+
+
+@register
+class KvCache(Pass):
+    name = "kv-cache"
+    description = "name the KV-cache I/O (past_key_<i> [1,Hkv,C,D], present_*), insert it in no-cache exports"
+
+    def applies(self, ctx: Context) -> bool:
+        return kv_on(ctx.options)
+
+    def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
+        from mtkc.passes.mask import implicit_mask
+
+        layers = find_caches(graph)
+        notes = []
+        self.inserted: dict[str, list] = {}  # no-cache export: new past inputs -> [Hkv, D]
+        self.implicit = None
+        if layers:
+            _bind_head_dims(graph, layers, ctx)
+            self.implicit = implicit_mask(graph, ctx)
+            if self.implicit is not None:
+                notes.append(f"no mask input: the mask built from shapes alone became input '{self.implicit.name}'")
+        else:
+            old_mask = next((t.name for t in graph.inputs if t.name == "attention_mask"), None)
+            notes += mask_first(graph, ctx)
+            layers = insert_cache(graph, ctx.root)
+            notes.append(f"no cache I/O in the export: inserted past concat in {len(layers)} attention layers")
+            self.inserted = {l.past[k].name: [l.past[k].shape[1], l.past[k].shape[3]] for l in layers for k in KINDS}
+            self.old_mask = old_mask
+        self.renames = _name_io(graph, layers)
+        rewrites = len(self.renames) + (self.implicit is not None) if not self.inserted else len(layers)
+        return PassResult(rewrites=rewrites, notes=notes)
+
+    def map_feeds(self, feeds, ctx):
+        """Renamed cache inputs; a no-cache export gets an empty cache (all slots masked),
+        positions 0..T-1 and the additive mask of its 2-D mask."""
+        feeds = {self.renames.get(k, k): v for k, v in feeds.items()}
+        if self.implicit is not None:
+            feeds = self.implicit.map_feeds(feeds, ctx)
+        if not self.inserted:
+            return feeds
+        ids = next(v for k, v in feeds.items() if k in ("input_ids", "hidden_states"))
+        t, c = ids.shape[1], ctx.options.cache_len or DEFAULT_CACHE_LEN
+        keep = np.asarray(feeds.pop(self.old_mask))[0].astype(bool) if self.old_mask in feeds else np.ones(t, bool)
+        feeds["attention_mask"] = contract_mask.attention_mask(t, c, contract_mask.value_of(ctx.options), new=keep)
+        feeds["position_ids"] = np.arange(t, dtype=np.int64)[None]
+        if self.old_mask is not None:
+            feeds[NEW_TOKEN_MASK] = keep.astype(np.int64)[None]
+        for name, (hkv, d) in self.inserted.items():
+            feeds[name] = np.zeros((1, hkv, c, d), np.float32)
+        return feeds
+
+    def map_outputs(self, outputs, ctx):
+        return {self.renames.get(k, k): v for k, v in outputs.items()}
+
+
+def _bind_head_dims(graph: gs.Graph, layers: list[LayerCache], ctx: Context) -> None:
+    """Cache input axes 1 and 3 (kv heads, head dim), when the export left them symbolic."""
+    dims = cache_head_dims(graph, ctx.root)
+    for layer in layers:
+        for past in layer.past.values():
+            if past.shape is not None and past.name in dims:
+                past.shape = [dims[past.name][a // 2] if a in (1, 3) and not isinstance(d, int) else d
+                              for a, d in enumerate(past.shape)]
+
+
+def cache_head_dims(graph: gs.Graph, root=None) -> dict[str, tuple[int, int]]:
+    """{cache input name: (kv heads, head dim)}, found by structure whatever the exporter called the
+    dims (dynamo's `s35`, onnxruntime-genai's `kv_cache_dim`): from the shape of the entries a
+    Concat appends to the input, or from the GroupQueryAttention that consumes it."""
+    from mtkc.passes.gqa import cache_inputs
+
+    found = dict(cache_inputs(graph))
+    layers = find_caches(graph)
+    pasts = [layer.past[k] for layer in layers for k in KINDS]
+    if not pasts:
+        return found
+    probe = probe_shapes(graph, root, keep={id(p) for p in pasts})
+    for layer in layers:
+        for kind in KINDS:
+            shape = probe.get(layer.concat[kind].inputs[1].name)
+            if shape is not None and len(shape) == 4 and all(isinstance(shape[a], int) for a in (1, 3)):
+                found[layer.past[kind].name] = (shape[1], shape[3])
+    return found
+
+
+def _name_io(graph: gs.Graph, layers: list[LayerCache]) -> dict[str, str]:
+    """Contract names for the cache I/O and outputs in contract order; returns {old: new name}.
+
+    The logits are the one output that is not a cache: named `logits` whatever the exporter called it.
+    """
+    renames = {}
+
+    def rename(tensor: gs.Tensor, name: str) -> None:
+        if tensor.name != name:
+            renames[tensor.name] = name
+            tensor.name = name
+
+    presents = []
+    for layer in layers:
+        for kind in KINDS:
+            past, concat = layer.past[kind], layer.concat[kind]
+            rename(past, f"past_{kind}_{layer.index}")
+            out = concat.outputs[0]
+            rename(out, f"present_{kind}_{layer.index}")
+            out.dtype = out.dtype or np.float32
+            presents.append(out)
+    cached = {id(p) for p in presents}
+    rest = [o for o in graph.outputs if id(o) not in cached]
+    logits = next((o for o in rest if o.name == "logits"), rest[0] if rest else None)
+    if logits is not None:
+        rename(logits, "logits")
+    graph.outputs = ([logits] if logits is not None else []) + presents
+    return renames
+
+
+def export_names(graph: gs.Graph) -> dict[str, str]:
+    """{export's name: contract name} for the cache inputs, presents and logits `kv-cache` would name
+    (what verify needs to pair an export's own I/O with the compiled graph's); the graph is not changed."""
+    names = {}
+    layers = find_caches(graph)
+    for layer in layers:
+        for kind in KINDS:
+            names[layer.past[kind].name] = f"past_{kind}_{layer.index}"
+            names[layer.concat[kind].outputs[0].name] = f"present_{kind}_{layer.index}"
+    rest = [o.name for o in graph.outputs if o.name not in names]
+    if layers and rest and "logits" not in rest:
+        names[rest[0]] = "logits"
+    return names

@@ -1,0 +1,256 @@
+"""Inserting a KV cache into an export without cache I/O (no-cache exports, `--kv-cache`).
+
+The mask pass runs first (its additive [1,1,T,C+T] mask replaces the [B,1,T,T] construction),
+K and V are cut where they enter attention (after RoPE, before repeat_kv),
+`Concat(past, new, axis=2)` is inserted, the repeat_kv/Kᵀ shape targets are made length-free,
+and RoPE reads a new `position_ids` input. Refuses (InputError) a model with no Softmax attention
+(fused ops named).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from mtkc.errors import InputError
+from mtkc.ir import shapes
+from mtkc.passes.kv_cache.detect import ATTENTION_OPS, KINDS, LayerCache
+from mtkc.ir.constants import values as values_of
+from mtkc.ir.graph_utils import Names as NodeNames
+from mtkc.rewrite.pass_api import Context
+
+# A no-cache export's 2-D mask, kept where exporters read the sequence length from its shape
+# (dynamo, hf); renamed so that shape binding keeps it [1, T] (it is not the [1, C+T] mask).
+NEW_TOKEN_MASK = "new_token_mask"
+PROBE_SEQ = 97  # a sequence length no model dimension is likely to equal
+_LAYOUT = {"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Identity", "Cast", "Tile"}
+_SCORE_PATH = {"Add", "Where", "Mul", "Div", "Cast", "Sub"}
+_PROB_PATH = {"Cast", "Where", "IsNaN", "Identity"}
+
+
+def mask_first(graph: gs.Graph, ctx: Context) -> list[str]:
+    """No-cache export: the mask pass runs now, while the mask is still [B,1,T,T]-consistent.
+
+    Its additive `attention_mask` input is [1,1,T,C+T] from the start; the 2-D mask, when the
+    export still reads its length as the sequence length, becomes `new_token_mask` [1, T].
+    """
+    from mtkc.passes.mask import Mask, implicit_mask
+
+    result = Mask().run(graph, ctx)
+    implicit_mask(graph, ctx)  # an export with no mask input: its shape-built mask becomes the input
+    ids = next((t for t in graph.inputs if t.name in ("input_ids", "hidden_states")), None)
+    for t in graph.inputs:
+        if t.name.startswith("attention_mask") and t.shape is not None and len(t.shape) == 2:
+            t.name = NEW_TOKEN_MASK
+            t.shape = [1, ids.shape[1] if ids is not None and ids.shape else "sequence_length"]
+    return [f"mask: {m.node}: {m.reason}" for m in result.misses]
+
+
+def insert_cache(graph: gs.Graph, root=None) -> list[LayerCache]:
+    """Cut K and V where they enter each attention and splice `Concat(past, new, axis=2)` in.
+
+        MatMul(Q, ·Kᵀ) ─ [Add mask | Where | Mul] ─ Softmax ─ [Where | Cast]* ─ MatMul(·, V)
+        K/V entry: walk up from the MatMul operand through layout ops (Transpose, Reshape,
+        Expand, Unsqueeze -- repeat_kv --, Mul by a constant scale) to the first other producer
+        (RoPE's Add for K) or to the head split Transpose(0,2,1,3) (V): [B, Hkv, S, D].
+
+    Reshape/Expand targets between the concat and the MatMul (repeat_kv, Kᵀ) are rewritten to
+    constants with the KV length free (-1 / broadcast 1): exporters compute them from the
+    *query* length (dynamo, hf), which no longer equals the KV length.
+    Positions: a no-cache export counts them from 0 (Range); the Range feeding cos/sin is
+    replaced by a new `position_ids` input, so decode rows get their real position.
+    """
+    shapes.infer(graph, root)
+    sites = []
+    for softmax in graph.nodes:
+        if softmax.op != "Softmax":
+            continue
+        qk = _find(softmax.inputs[0], _SCORE_PATH, up=True)
+        pv = _find(softmax.outputs[0], _PROB_PATH, up=False)
+        if qk is None or pv is None:
+            continue
+        sites.append((_kv_entry(qk.inputs[1]), _kv_entry(pv.inputs[1])))
+    if not sites:
+        fused = sorted({n.op for n in graph.nodes if n.op in ATTENTION_OPS})
+        raise InputError(
+            "model has no KV-cache inputs (past_key_values.*) and no attention (MatMul -> Softmax -> MatMul) "
+            "whose K/V could be cut; cannot build prefill/decode graphs"
+            + (f" (attention is fused as {', '.join(fused)}: export with cache I/O, or without ORT fusions)"
+               if fused else ""))
+    probe = probe_shapes(graph, root)
+    names = NodeNames(graph)
+    layers = []
+    for i, entries in enumerate(sites):
+        layer = LayerCache(i, {}, {})
+        for kind, new in zip(KINDS, entries):
+            shape = probe.get(new.name)
+            if shape is None or len(shape) != 4 or not all(isinstance(d, int) for d in shape[1::2]):
+                raise InputError(f"layer {i}: {kind} entry '{new.name}' has shape {shape}, expected [B, Hkv, S, D]"
+                                 + _fused_entry(new))
+            past = gs.Variable(f"past_{kind}_{i}", np.float32, ["batch_size", shape[1], "past_sequence_length", shape[3]])
+            full = gs.Variable(f"kv_cache/{kind}_{i}", np.float32, None)
+            concat = gs.Node("Concat", names.new(f"kv_cache/concat_{kind}_{i}"), {"axis": 2}, [past, new], [full])
+            for node in list(new.outputs):
+                if node is not concat:
+                    for j, x in enumerate(node.inputs):
+                        if x is new:
+                            node.inputs[j] = full
+            graph.nodes.append(concat)
+            graph.inputs.append(past)
+            _free_kv_length(full, probe, names)
+            layer.past[kind], layer.concat[kind] = past, concat
+        layers.append(layer)
+    _position_input(graph, names, probe)
+    return layers
+
+
+def probe_shapes(graph: gs.Graph, root=None, keep: set[int] = frozenset()) -> dict[str, list]:
+    """Tensor shapes with every symbolic input dim set to 1 (batch) or PROBE_SEQ (the rest):
+    static Hkv and D where symbolic inference leaves them unknown (TorchScript's runtime
+    reshapes), and the sequence axis recognisable by its value. Inputs in `keep` (ids: cache
+    inputs) have only their batch and length axes set; their other symbols stay unknown."""
+    kept = {t.name for t in graph.inputs if id(t) in keep}
+    probe = graph.copy()
+    for t in probe.inputs:
+        t.shape = [d if isinstance(d, int) or (t.name in kept and axis not in (0, 2))
+                   else (1 if axis == 0 else PROBE_SEQ) for axis, d in enumerate(t.shape or [])]
+        if t.name == "attention_mask" and len(t.shape) == 4:  # additive, no past yet: [1, 1, S, S]
+            t.shape = [1, 1, PROBE_SEQ, PROBE_SEQ]
+    shapes.infer(probe, root)
+    return {name: t.shape for name, t in probe.tensors().items()}
+
+
+def _free_kv_length(full: gs.Variable, probe: dict[str, list], names: NodeNames) -> None:
+    """Make every Reshape/Expand from the cache concat to the attention MatMul length-agnostic."""
+    frontier = list(full.outputs)
+    while frontier:
+        node = frontier.pop()
+        if node.op == "MatMul" or node.op not in _LAYOUT | {"Mul", "Div"}:
+            continue
+        out = probe.get(node.outputs[0].name)
+        if node.op in ("Reshape", "Expand") and out is not None and all(isinstance(d, int) for d in out):
+            if out.count(PROBE_SEQ) != 1:
+                raise InputError(f"{node.name}: cannot tell the sequence axis of its output shape {out}")
+            dims = [(-1 if node.op == "Reshape" else 1) if d == PROBE_SEQ else d for d in out]
+            node.inputs[1] = gs.Constant(names.new(f"{node.name}/kv_shape"), np.array(dims, np.int64))
+            node.attrs.pop("allowzero", None)
+        frontier += node.outputs[0].outputs
+
+
+def _find(tensor: gs.Tensor, through: set[str], up: bool, depth: int = 6) -> gs.Node | None:
+    """The nearest MatMul upstream (`up`) of / downstream of `tensor`, via `through` ops only."""
+    frontier = [tensor]
+    for _ in range(depth):
+        nxt = []
+        for t in frontier:
+            for node in t.inputs if up else t.outputs:
+                if node.op == "MatMul" and (up or node.inputs[0] is t):
+                    return node
+                if node.op in through:
+                    nxt += [x for x in node.inputs if isinstance(x, gs.Variable)] if up else list(node.outputs)
+        frontier = nxt
+    return None
+
+
+def _kv_entry(tensor: gs.Tensor) -> gs.Variable:
+    for _ in range(16):
+        node = tensor.inputs[0] if tensor.inputs else None
+        if node is None or (node.op == "Transpose" and list(node.attrs.get("perm", [])) == [0, 2, 1, 3]):
+            return tensor
+        if node.op in _LAYOUT:
+            tensor = node.inputs[0]
+        elif node.op in ("Mul", "Div") and _scalar(node.inputs[1]):
+            tensor = node.inputs[0]
+        elif node.op == "Mul" and _scalar(node.inputs[0]):
+            tensor = node.inputs[1]
+        else:
+            return tensor
+    return tensor
+
+
+def _fused_entry(entry: gs.Tensor) -> str:
+    """Why a K/V entry is not per-head: a contrib op (e.g. com.microsoft RotaryEmbedding) makes it
+    on packed [B, S, Hkv*D] K/V, so there is no [B, Hkv, S, D] tensor to cut ('' otherwise)."""
+    node = entry.inputs[0] if entry.inputs else None
+    if node is None or node.domain in ("", "ai.onnx"):
+        return ""
+    return (f" (made by fused op {node.domain} {node.op} '{node.name}' on packed [B, S, Hkv*D] K/V: "
+            "export with cache I/O, or without ORT fusions)")
+
+
+def _scalar(tensor: gs.Tensor) -> bool:
+    """A constant or a one-element tensor (a scale such as 1/sqrt(sqrt(D)))."""
+    return isinstance(tensor, gs.Constant) or (tensor.shape is not None and all(d == 1 for d in tensor.shape))
+
+
+def _position_input(graph: gs.Graph, names: NodeNames, probe: dict[str, list]) -> None:
+    """Feed cos/sin from a `position_ids [batch, seq]` input instead of Range(0, seq).
+
+    Only the rotary-only region (nodes whose every use leads to Cos/Sin) is rewired: the mask
+    construction that shares the Range keeps it, so the mask pass still sees a mask-only subgraph.
+    """
+    if any(t.name == "position_ids" for t in graph.inputs):
+        return
+    trig = [n for n in graph.nodes if n.op in ("Cos", "Sin")]
+    ancestors, stack = set(), list(trig)
+    while stack:
+        node = stack.pop()
+        if id(node) not in ancestors:
+            ancestors.add(id(node))
+            stack += [t.inputs[0] for t in node.inputs if t.inputs]
+    chain, stack = set(), [n for n in graph.nodes if n.op == "Range" and id(n) in ancestors]
+    while stack:
+        node = stack.pop()
+        if id(node) not in chain and id(node) in ancestors:
+            chain.add(id(node))
+            stack += [c for t in node.outputs for c in t.outputs]
+    if not chain:
+        return
+    rotary = {id(n) for n in trig}
+    for node in reversed(graph.nodes):
+        if id(node) in ancestors and node.op != "Range" and all(id(c) in rotary for t in node.outputs for c in t.outputs):
+            rotary.add(id(node))
+    positions = gs.Variable("position_ids", np.int64, ["batch_size", "sequence_length"])
+    flat = None
+    for node in graph.nodes:
+        if id(node) not in rotary:
+            continue
+        for j, t in enumerate(node.inputs):
+            if not t.inputs or id(t.inputs[0]) not in chain or id(t.inputs[0]) in rotary:
+                continue
+            rank = len(probe.get(t.name) or [])
+            if rank == 2:
+                node.inputs[j] = positions
+            elif rank == 1:
+                if flat is None:
+                    flat = gs.Variable(names.new("kv_cache/positions"), np.int64, None)
+                    graph.nodes.append(gs.Node("Squeeze", names.new("kv_cache/positions_squeeze"), inputs=[
+                        positions, gs.Constant(names.new("kv_cache/axes0"), np.array([0], np.int64))], outputs=[flat]))
+                node.inputs[j] = flat
+            else:
+                raise InputError(f"RoPE positions '{t.name}' have rank {rank}; expected [seq] or [batch, seq]")
+            if t.dtype is not None and np.dtype(t.dtype) != np.int64:
+                raise InputError(f"RoPE positions '{t.name}' are {np.dtype(t.dtype)}, expected int64")
+    for node in list(flat.outputs) if flat is not None else []:  # Unsqueeze(flat, [0, ...]): use positions
+        axes = node.attrs.get("axes") if len(node.inputs) < 2 else values_of(node.inputs[1])
+        if node.op != "Unsqueeze" or axes is None:
+            continue
+        rank = 1 + np.size(axes)
+        axes = sorted(int(a) % rank for a in np.reshape(axes, -1))
+        if axes[0] != 0:
+            continue
+        if len(axes) == 1:
+            out = node.outputs[0]
+            for user in list(out.outputs):
+                for j, x in enumerate(user.inputs):
+                    if x is out:
+                        user.inputs[j] = positions
+        else:  # cleanup would merge Squeeze + Unsqueeze into a Reshape fixed to T (no RoPE table then)
+            node.inputs[0] = positions
+            if len(node.inputs) < 2:
+                node.attrs["axes"] = axes[1:]
+            else:
+                node.inputs[1] = gs.Constant(names.new("kv_cache/axes"), np.array(axes[1:], np.int64))
+    if positions.outputs:
+        graph.inputs.append(positions)
+

@@ -1,0 +1,173 @@
+"""Exports as users bring them: transformers' generation export (no mask input), dynamo with a
+DynamicCache argument, onnxruntime-genai's builder in fp32 and int4 (GroupQueryAttention,
+(Skip)SimplifiedLayerNormalization, MatMulNBits, GatherBlockQuantized).
+
+Each is compiled for SDK 6.0 and 8.0 (T=8, C=64): greedy tokens through the compiled prefill/decode
+graphs equal the reference for 16 tokens on prompts shorter and longer than T -- transformers'
+`generate` for torch exports, onnxruntime-genai's own `Generator` on the original files for its
+exports (tiny Llama's head size 8 is one onnxruntime's CPU GroupQueryAttention refuses -- it wants a
+multiple of 16 --, so its fp32 genai export is held to transformers' tokens instead) -- and on SDK 8.0 every node is on the NPU (the embedding runs on the host).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import onnx
+import pytest
+
+import factory
+from mtkc.pipeline.compile import compile_model
+from mtkc.runtime.generate import Generator
+
+T, C, NEW = 8, 64, 16
+PROMPTS = {"short": [5, 17, 300], "long": list(range(40, 53))}
+CASES = [("hf-generate", "qwen2"), ("hf-generate", "llama"), ("dynamo-cacheobj", "qwen2"),
+         ("dynamo-cacheobj", "llama"), ("genai-fp32", "qwen2"), ("genai-fp32", "llama"), ("genai-int4", "qwen2")]
+SDKS = ("6.0", "8.0")
+
+
+@pytest.fixture(scope="module")
+def compiled(exported, tmp_path_factory):
+    """`compiled(exporter, family, sdk)` -> OUT of compile (once per module)."""
+    outs = {}
+
+    def get(exporter: str, family: str, sdk: str):
+        key = (exporter, family, sdk)
+        if key not in outs:
+            out = tmp_path_factory.mktemp("exporters") / "-".join(key)
+            compile_model(exported(family, exporter, cache=True), sdk, out, {"seq_len": T, "cache_len": C})
+            outs[key] = out
+        return outs[key]
+
+    return get
+
+
+def genai_generate(model_dir, prompt: list[int], n: int, fp32_compute: bool = False) -> list[int]:
+    """onnxruntime-genai's greedy tokens on the export's own files (EOS does not stop it early).
+
+    `fp32_compute` runs a copy whose MatMulNBits have accuracy_level 0: the same int4 weights,
+    computed in fp32 instead of onnxruntime's int8-quantised activations (accuracy_level 4)."""
+    import onnxruntime_genai as og
+
+    if fp32_compute:
+        copy = model_dir.parent / f"{model_dir.name}-fp32-compute"
+        if not copy.exists():
+            shutil.copytree(model_dir, copy)
+            model = onnx.load(str(copy / "model.onnx"), load_external_data=False)
+            for node in model.graph.node:
+                for attr in node.attribute:
+                    if attr.name == "accuracy_level":
+                        attr.i = 0
+            onnx.save(model, str(copy / "model.onnx"))
+        model_dir = copy
+    model = og.Model(str(model_dir))
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(prompt) + n, min_length=len(prompt) + n)
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompt)
+    while not generator.is_done():
+        generator.generate_next_token()
+    return [int(t) for t in generator.get_sequence(0)[len(prompt):]]
+
+
+@pytest.fixture(scope="module")
+def reference(exported, tiny_model, tmp_path_factory):
+    """`reference(exporter, family, prompt)` -> the greedy tokens the export is meant to give."""
+    tokens = {}
+
+    def get(exporter: str, family: str, prompt: str):
+        key = (exporter, family, prompt)
+        if key not in tokens:
+            if exporter.startswith("genai-") and (exporter, family) != ("genai-fp32", "llama"):
+                folder = exported(family, exporter, cache=True).parent
+                local = tmp_path_factory.getbasetemp() / f"genai-{family}-{exporter}"
+                if not local.exists():  # og may write beside the model: work on a copy
+                    shutil.copytree(folder, local)
+                tokens[key] = genai_generate(local, PROMPTS[prompt], NEW, fp32_compute=exporter == "genai-int4")
+            else:
+                tokens[key] = factory.reference_generate(tiny_model(family), PROMPTS[prompt], NEW)
+        return tokens[key]
+
+    return get
+
+
+@pytest.mark.parametrize("sdk", SDKS)
+@pytest.mark.parametrize("exporter,family", CASES)
+def test_generate_equals_the_exporters_reference(exporter, family, sdk, compiled, reference):
+    generator = Generator(compiled(exporter, family, sdk))
+    for prompt in PROMPTS:
+        tokens = generator.generate(PROMPTS[prompt], NEW)
+        assert tokens == reference(exporter, family, prompt), f"{exporter} {family} SDK {sdk}, {prompt} prompt"
+        assert len(set(tokens)) > NEW // 2
+
+
+@pytest.mark.parametrize("exporter,family", CASES)
+def test_sdk8_puts_every_node_on_the_npu(exporter, family, compiled):
+    manifest = json.loads((compiled(exporter, family, "8.0") / "manifest.json").read_text())
+    assert [g["name"] for g in manifest["graphs"]] == ["prefill", "decode"]
+    for graph in manifest["graphs"]:
+        assert [p["target"] for p in graph["partitions"]] == ["npu"], graph["name"]
+        assert graph["inputs"][0]["name"] == "hidden_states"  # the embedding runs on the host
+        model = onnx.load(str(compiled(exporter, family, "8.0") / graph["path"]), load_external_data=False)
+        assert max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) <= 17
+        assert not {n.domain for n in model.graph.node} - {"", "ai.onnx"}
+
+
+def test_generation_export_gets_the_additive_mask(exported, compiled):
+    """transformers' generation export has no mask input: without one every zero cache slot was attended."""
+    source = onnx.load(str(exported("qwen2", "hf-generate", cache=True)), load_external_data=False)
+    assert not [i.name for i in source.graph.input if "mask" in i.name]
+    manifest = json.loads((compiled("hf-generate", "qwen2", "8.0") / "manifest.json").read_text())
+    for graph in manifest["graphs"]:
+        t = 1 if graph["name"] == "decode" else T
+        io = {x["name"]: x for x in graph["inputs"]}
+        assert io["attention_mask"]["dtype"] == "float32" and io["attention_mask"]["shape"] == [1, 1, t, C + t]
+
+
+def test_int4_weights_keep_their_codes(compiled):
+    """MatMulNBits -> int8 codes in [-8, 7] dequantised in-graph (no float weight folded by mtkc)."""
+    out = compiled("genai-int4", "qwen2", "8.0")
+    model = onnx.load(str(out / "decode.onnx"))
+    int8 = [t for t in model.graph.initializer if t.data_type == onnx.TensorProto.INT8]
+    assert len(int8) == 11  # 2 layers x (qkv, o, gate, up, down) + lm_head
+    for t in int8:
+        codes = onnx.numpy_helper.to_array(t)
+        assert codes.min() >= -8 and codes.max() <= 7
+
+
+@pytest.mark.parametrize("exporter,family", [c for c in CASES if c not in (("genai-int4", "qwen2"), ("genai-fp32", "llama"))])
+def test_verify_pairs_the_exports_own_io(exporter, family, compiled):
+    """verify finds the export's cache I/O and logits by structure (`cache_0`, `cat_3`, `linear_14`).
+
+    Not genai-fp32 llama: onnxruntime cannot run the original (head size 8). Not genai-int4: onnxruntime runs its MatMulNBits with int8-quantised activations
+    (accuracy_level 4), so its logits differ from the exact int4 weights' by ~0.6 (cosine 0.9992)."""
+    from mtkc.pipeline.verify import verify
+
+    result = verify(compiled(exporter, family, "8.0"), samples=1)
+    assert result.ok and not result.skipped
+    assert {c.output for c in result.checks} == {"logits"} | {f"present_{k}_{i}" for i in range(2) for k in ("key", "value")}
+
+
+@pytest.mark.parametrize("exporter", ["genai-fp32", "genai-int4"])
+def test_genai_passes_keep_the_numbers(exporter, exported, tmp_path):
+    """--verify-each: gqa, kv-cache, int4-weights ... each keep onnxruntime's numbers (int4: on a copy
+    computing MatMulNBits in fp32, accuracy_level 0 -- level 4 quantises activations to int8)."""
+    source = exported("qwen2", exporter, cache=True)
+    if exporter == "genai-int4":
+        copy = tmp_path / "src"
+        shutil.copytree(source.parent, copy)
+        model = onnx.load(str(copy / "model.onnx"), load_external_data=False)
+        for node in model.graph.node:
+            for attr in node.attribute:
+                if attr.name == "accuracy_level":
+                    attr.i = 0
+        onnx.save(model, str(copy / "model.onnx"))
+        source = copy / "model.onnx"
+    result = compile_model(source, "8.0", tmp_path / "out", {"seq_len": T, "cache_len": C, "verify_each": True})
+    def rewrites(name):
+        return sum(r.rewrites for r in result.records if r.name == name)
+
+    assert rewrites("gqa") == 4  # 2 layers, in prefill and decode
+    assert rewrites("int4-weights") == (2 * 12 if exporter == "genai-int4" else 0)  # 11 MatMulNBits + embedding
