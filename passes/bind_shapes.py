@@ -30,6 +30,7 @@ import operator
 from mtkc.errors import InputError
 from mtkc.ir import shapes
 from mtkc.options import Options
+from mtkc.passes.kv_cache import cache_head_dims
 from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 
 SYMBOL_ROLES = {
@@ -152,7 +153,6 @@ def _head_dims(graph, ctx: Context) -> dict[str, tuple[int, int]]:
     symbolic axis 1 or 3 (cheap otherwise: no shape probe)."""
     if not any(len(t.shape or ()) == 4 and not all(_static(t.shape[a]) for a in (1, 3)) for t in graph.inputs):
         return {}
-    from mtkc.passes.kv_cache import cache_head_dims
 
     return cache_head_dims(graph, ctx.root)
 

@@ -27,8 +27,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.ir.graph_utils import replace_uses, static_shape
+from mtkc.rewrite.builder import Emit
 from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
-from mtkc.rewrite.pattern import Emit
 
 MS = "com.microsoft"
 POSITIONS = "position_ids"

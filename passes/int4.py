@@ -23,9 +23,10 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from mtkc.ir.graph_utils import is_const, replace_uses, values
+from mtkc.ir.constants import values
+from mtkc.ir.graph_utils import replace_uses
+from mtkc.rewrite.builder import Emit
 from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
-from mtkc.rewrite.pattern import Emit
 
 MS = "com.microsoft"
 
@@ -47,9 +48,9 @@ def _zero_points(node: gs.Node, index: int, rows: int, blocks: int, bits: int, c
     zp = _input(node, index)
     if zp is None:
         return np.full((rows, blocks), 1 << (bits - 1), np.int16)
-    if not is_const(zp) or np.dtype(zp.dtype) != np.uint8:
+    if not isinstance(zp, gs.Constant) or np.dtype(zp.dtype) != np.uint8:
         return "float or non-constant zero points are not decomposed"
-    return unpack(values(zp, ctx).reshape(rows, -1), bits, blocks).astype(np.int16)
+    return unpack(values(zp, ctx.read_values).reshape(rows, -1), bits, blocks).astype(np.int16)
 
 
 def _matmul_nbits(graph: gs.Graph, node: gs.Node, ctx: Context) -> str | None:
@@ -58,15 +59,15 @@ def _matmul_nbits(graph: gs.Graph, node: gs.Node, ctx: Context) -> str | None:
     if bits not in (4, 8) or _input(node, 4) is not None:
         return f"bits={bits} or g_idx is not decomposed"
     b, scales = node.inputs[1], node.inputs[2]
-    if not (is_const(b) and is_const(scales)):
+    if not (isinstance(b, gs.Constant) and isinstance(scales, gs.Constant)):
         return "quantized weight or scales are not constants"
     blocks = -(-k // block)
-    q = unpack(values(b, ctx).reshape(n, blocks, -1), bits, block).astype(np.int16)  # [N, nb, block]
+    q = unpack(values(b, ctx.read_values).reshape(n, blocks, -1), bits, block).astype(np.int16)  # [N, nb, block]
     zp = _zero_points(node, 3, n, blocks, bits, ctx)
     if isinstance(zp, str):
         return zp
     codes = np.ascontiguousarray((q - zp[:, :, None]).astype(np.int8).transpose(1, 2, 0))  # [nb, block, N]
-    scale = np.asarray(values(scales, ctx), np.float32).reshape(n, blocks).T[:, None, :]  # [nb, 1, N]
+    scale = np.asarray(values(scales, ctx.read_values), np.float32).reshape(n, blocks).T[:, None, :]  # [nb, 1, N]
     e = Emit(graph, node.name)
     f32 = np.float32
     dequant = e.op("Mul", [e.op("Cast", [e.const("codes", codes)], {"to": 1}, dtype=f32), e.const("scales", scale)],
@@ -89,9 +90,9 @@ def _gather_block_quantized(graph: gs.Graph, node: gs.Node, ctx: Context) -> str
     data, scales = node.inputs[0], node.inputs[2]
     if int(a.get("gather_axis", 0)) != 0 or bits not in (4, 8):
         return "only gather_axis 0 with 4/8-bit codes is decomposed"
-    if not (is_const(data) and is_const(scales)):
+    if not (isinstance(data, gs.Constant) and isinstance(scales, gs.Constant)):
         return "quantized table or scales are not constants"
-    rows = values(data, ctx)
+    rows = values(data, ctx.read_values)
     per_row = rows.shape[-1] * (8 // bits) if np.dtype(rows.dtype) == np.uint8 else rows.shape[-1]
     if int(a.get("quantize_axis", rows.ndim - 1)) not in (-1, rows.ndim - 1) or rows.ndim != 2:
         return "only a 2-D table quantized along its last axis is decomposed"
@@ -100,7 +101,7 @@ def _gather_block_quantized(graph: gs.Graph, node: gs.Node, ctx: Context) -> str
     zp = _zero_points(node, 3, q.shape[0], blocks, bits, ctx)
     if isinstance(zp, str):
         return zp
-    scale = np.asarray(values(scales, ctx), np.float32).reshape(q.shape[0], blocks)
+    scale = np.asarray(values(scales, ctx.read_values), np.float32).reshape(q.shape[0], blocks)
     table = ((q - np.repeat(zp, block, axis=1)[:, :per_row]).astype(np.float32)
              * np.repeat(scale, block, axis=1)[:, :per_row])
     e = Emit(graph, node.name)

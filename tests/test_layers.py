@@ -34,11 +34,7 @@ LAYERS = [
 
 # Remaining function-level imports, (module, imported module). Owners are removing them; the lead
 # empties this list as their branches land.
-ALLOWED: set[tuple[str, str]] = {
-    # kv_cache (being split by its owner) still calls Mask().run() and the interpreter lazily
-    ("mtkc.passes.kv_cache", "mtkc.passes.mask"),  # KvCache calls Mask().run(): declare ordering instead
-    ("mtkc.passes.kv_cache", "mtkc.ir.execute"),
-}
+ALLOWED: set[tuple[str, str]] = set()
 
 
 def module_name(path: Path) -> str:

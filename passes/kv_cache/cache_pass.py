@@ -18,10 +18,12 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc.contract import mask as contract_mask
+from mtkc.passes.gqa import cache_inputs
 from mtkc.passes.kv_cache.detect import KINDS, LayerCache, find_caches
 from mtkc.passes.kv_cache.insert import NEW_TOKEN_MASK, insert_cache, mask_first, probe_shapes
 from mtkc.passes.kv_cache.plan import DEFAULT_CACHE_LEN, kv_on
-from mtkc.contract import mask as contract_mask
+from mtkc.passes.mask import implicit_mask
 from mtkc.rewrite.pass_api import Context, Pass, PassResult, register
 
 
@@ -34,7 +36,6 @@ class KvCache(Pass):
         return kv_on(ctx.options)
 
     def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
-        from mtkc.passes.mask import implicit_mask
 
         layers = find_caches(graph)
         notes = []
@@ -93,7 +94,6 @@ def cache_head_dims(graph: gs.Graph, root=None) -> dict[str, tuple[int, int]]:
     """{cache input name: (kv heads, head dim)}, found by structure whatever the exporter called the
     dims (dynamo's `s35`, onnxruntime-genai's `kv_cache_dim`): from the shape of the entries a
     Concat appends to the input, or from the GroupQueryAttention that consumes it."""
-    from mtkc.passes.gqa import cache_inputs
 
     found = dict(cache_inputs(graph))
     layers = find_caches(graph)

@@ -13,10 +13,12 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.errors import InputError
+from mtkc.ir.execute import run
 from mtkc.passes.kv_cache.detect import KINDS, LayerCache, layer_caches
 from mtkc.passes.kv_cache.io import contract_order
 from mtkc.passes.kv_cache.plan import chunk_ranges, kv_on
 from mtkc.rewrite.pass_api import Context, Pass, PassResult, register
+
 
 @register
 class LayerChunks(Pass):
@@ -69,7 +71,6 @@ class LayerChunks(Pass):
     def map_feeds(self, feeds, ctx):
         if self.prefix is None:
             return feeds
-        from mtkc.ir.execute import run
 
         hidden = next(iter(run(self.prefix, {t.name: feeds[t.name] for t in self.prefix.inputs}, ctx.root).values()))
         return {**feeds, "hidden_states": hidden}

@@ -14,9 +14,10 @@ import onnx_graphsurgeon as gs
 
 from mtkc.errors import InputError
 from mtkc.ir import shapes
-from mtkc.passes.kv_cache.detect import ATTENTION_OPS, KINDS, LayerCache
 from mtkc.ir.constants import values as values_of
 from mtkc.ir.graph_utils import Names as NodeNames
+from mtkc.passes.kv_cache.detect import ATTENTION_OPS, KINDS, LayerCache
+from mtkc.passes.mask import Mask, implicit_mask
 from mtkc.rewrite.pass_api import Context
 
 # A no-cache export's 2-D mask, kept where exporters read the sequence length from its shape
@@ -34,7 +35,6 @@ def mask_first(graph: gs.Graph, ctx: Context) -> list[str]:
     Its additive `attention_mask` input is [1,1,T,C+T] from the start; the 2-D mask, when the
     export still reads its length as the sequence length, becomes `new_token_mask` [1, T].
     """
-    from mtkc.passes.mask import Mask, implicit_mask
 
     result = Mask().run(graph, ctx)
     implicit_mask(graph, ctx)  # an export with no mask input: its shape-built mask becomes the input

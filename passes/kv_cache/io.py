@@ -6,17 +6,17 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from mtkc.errors import InputError
-from mtkc.passes.kv_cache.detect import KINDS, layer_caches
-from mtkc.passes.kv_cache.plan import cache_options, kv_on
 from mtkc.contract import cache as layouts
 from mtkc.contract import io as contract_io
+from mtkc.errors import InputError
 from mtkc.ir.graph_utils import Names as NodeNames
+from mtkc.passes.kv_cache.detect import KINDS, layer_caches
+from mtkc.passes.kv_cache.plan import cache_options, kv_on
 from mtkc.rewrite.pass_api import Context, Pass, PassResult, register
+
 
 @register
 class KvCacheIo(Pass):
