@@ -20,6 +20,7 @@ COMMANDS = [
     "mtkc.commands.compile",
     "mtkc.commands.verify",
     "mtkc.commands.generate",
+    "mtkc.commands.calibrate",
 ]
 
 log = logging.getLogger("mtkc")
