@@ -24,9 +24,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--samples", type=int, default=3, help="seeded input sets (default 3)")
     parser.add_argument("--atol", type=float, default=1e-3, help="absolute tolerance (default 1e-3)")
     parser.add_argument("--rtol", type=float, default=1e-3, help="tolerance relative to each output's largest magnitude (default 1e-3)")
-    parser.add_argument("--min-cosine", type=float, default=0.999, help="minimum cosine similarity (default 0.999)")
+    parser.add_argument("--min-cosine", type=float, help="minimum cosine similarity (default 0.999; 0.99 with --quant)")
     parser.add_argument("--model", help="original model (default: the path recorded in the manifest)")
     parser.add_argument("--format", choices=("text", "json"), default="text", help="output format on stdout")
+    from mtkc.commands.quant import add_quant_args
+
+    add_quant_args(parser)
     add_common(parser)
     parser.set_defaults(func=run)
     return parser
@@ -35,6 +38,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     if args.samples < 1:
         raise InputError(f"--samples {args.samples}: must be at least 1")
+    if args.quant:
+        from mtkc.commands.quant import run_quant
+
+        return run_quant(args)
+    args.min_cosine = 0.999 if args.min_cosine is None else args.min_cosine
     result = verify(args.out, samples=args.samples, atol=args.atol, rtol=args.rtol,
                     min_cosine=args.min_cosine, model=args.model)
     if args.format == "json":

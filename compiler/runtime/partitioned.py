@@ -49,15 +49,14 @@ class GraphRunner:
 
 
 def partition_sessions(out: Path, manifest: dict, tap: Tap | None = None,
-                       npu_session: Callable[[dict, dict], object] | None = None) -> dict:
-    """{partition path: PartitionSession} for every partition; NPU ones from `npu_session(graph, part)`
-    when given (e.g. a quantised model), else the float partition file."""
+                       make: Callable[[dict, dict], object] | None = None) -> dict:
+    """{partition path: PartitionSession} for every partition: the session `make(graph, part)` returns
+    (e.g. a quantised model), else one of the partition file."""
     sessions = {}
     for graph in manifest.get("graphs", []):
         for part in graph["partitions"]:
             path = Path(out) / part["path"]
-            made = npu_session(graph, part) if npu_session and part["target"] == "npu" else load_session(path)
-            sessions[path] = PartitionSession(made, graph, part, tap)
+            sessions[path] = PartitionSession(make(graph, part) if make else load_session(path), graph, part, tap)
     return sessions
 
 
