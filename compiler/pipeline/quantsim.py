@@ -79,7 +79,7 @@ def overrides(graph: onnx.GraphProto, scheme: str, keep: set[int]) -> dict[str, 
 
     a_bits, w_bits = SCHEMES[scheme]
     signed = {16: QuantType.QInt16, 8: QuantType.QInt8, 4: QuantType.QInt4}
-    floats = {t.name: len(t.dims) for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
+    floats = {t.name: t for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
     result: dict[str, list[dict]] = {}
     for node in graph.node:
         kept = layer_of(node) in keep
@@ -88,7 +88,7 @@ def overrides(graph: onnx.GraphProto, scheme: str, keep: set[int]) -> dict[str, 
                 continue
             if k == weight_index(node):
                 bits = 16 if kept else w_bits
-                result[name] = [{"quant_type": signed[bits], "symmetric": True, "axis": channel_axis(node, floats[name])}]
+                result[name] = channel_scales(floats[name], channel_axis(node, len(floats[name].dims)), bits, signed[bits])
             else:
                 result[name] = [{"quant_type": signed[16 if kept else a_bits], "symmetric": True}]
     if keep and a_bits != 16:
@@ -102,6 +102,19 @@ def overrides(graph: onnx.GraphProto, scheme: str, keep: set[int]) -> dict[str, 
                     if name and users.get(name) and all(layer_of(u) in keep for u in users[name]):
                         result[name] = [{"quant_type": QuantType.QInt16, "symmetric": True}]
     return result
+
+
+def channel_scales(weight: onnx.TensorProto, axis: int, bits: int, qtype) -> list[dict]:
+    """Per-output-channel overrides on MediaTek's grid (torch's symmetric observer): codes in
+    [-2^(b-1), 2^(b-1)-1], scale = absmax / ((qmax - qmin) / 2). onnxruntime's own symmetric int8/16
+    range drops the lowest code (scale absmax/127), a different grid."""
+    from onnx import numpy_helper
+
+    values = np.moveaxis(numpy_helper.to_array(weight), axis, 0)
+    absmax = np.abs(values.reshape(values.shape[0], -1)).max(axis=1)
+    scales = absmax / ((2 ** bits - 1) / 2)
+    scales = np.where(scales > 0, scales, 1.0).astype(np.float32)
+    return [{"quant_type": qtype, "axis": axis, "scale": np.float32(s), "zero_point": 0} for s in scales]
 
 
 def raise_opset(proto: onnx.ModelProto, version: int = 21) -> onnx.ModelProto:
