@@ -21,6 +21,7 @@ COMMANDS = [
     "mtkc.commands.verify",
     "mtkc.commands.generate",
     "mtkc.commands.calibrate",
+    "mtkc.commands.convert",
 ]
 
 log = logging.getLogger("mtkc")

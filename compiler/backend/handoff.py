@@ -34,9 +34,10 @@ import onnx_graphsurgeon as gs
 
 from mtkc.errors import ConverterError, InputError
 
-PLACEHOLDERS = ("input", "output", "arch", "sdk", "input_names", "input_shapes", "onnx", "tflite", "dla")
+PLACEHOLDERS = ("input", "output", "arch", "sdk", "input_names", "input_shapes", "onnx", "tflite", "dla",
+                "calibration", "precision")
 SCRIPT = "convert.sh"
-PATH_KEYS = ("input", "output", "onnx", "tflite", "dla")
+PATH_KEYS = ("input", "output", "onnx", "tflite", "dla", "calibration")
 OUT_MARK = "@MTKC_OUT@"  # stands for "$OUT" in convert.sh (shlex-safe characters)
 MAX_BISECT_RUNS = 12  # 2**12 nodes pinned to one
 ERROR_LINE = re.compile(r"error|unsupport|not support|fail|fallback|invalid", re.IGNORECASE)
@@ -84,6 +85,7 @@ class Job:
             "tflite": f"dla/{self.key}.tflite",
             "input_names": ",".join(self.input_names),
             "input_shapes": ":".join(",".join(str(d) for d in s) for s in self.input_shapes),
+            "calibration": f"calibration/{self.key}",  # the partition's samples (`mtkc calibrate`)
         }
 
 
@@ -149,14 +151,19 @@ def run(
     converter_cmd: str | None = None,
     no_convert: bool = False,
     max_bisect_runs: int = MAX_BISECT_RUNS,
+    quant=None,
 ) -> Handoff:
-    """Write OUT/convert.sh, run the converter on every NPU partition when one is present."""
+    """Write OUT/convert.sh, run the converter on every NPU partition when one is present.
+    `quant`: a `mtkc.backend.quant_handoff.Quant` (the MediaTek back end then quantises)."""
     out = Path(out).resolve()
-    backend = command_backend(converter_cmd) if converter_cmd else mediatek_backend(converter or {})
+    backend = command_backend(converter_cmd) if converter_cmd else (
+        quant.backend(converter or {}) if quant else mediatek_backend(converter or {}))
     todo = jobs(manifest)
-    context = {"arch": str(manifest.get("arch") or ""), "sdk": str(manifest.get("sdk") or "")}
+    context = {"arch": str(manifest.get("arch") or ""), "sdk": str(manifest.get("sdk") or ""),
+               "precision": quant.precision if quant else ""}
     _write_script(out / SCRIPT, backend, todo, context)
-    section = {"backend": backend.name, "commands": [shlex.join(s) for s in backend.steps], "script": SCRIPT}
+    section = {"backend": backend.name, "commands": [shlex.join(s) for s in backend.steps], "script": SCRIPT,
+               **(quant.section() if quant else {})}
     if not todo:
         return Handoff({**section, "ran": False, "reason": "no NPU partition to convert"})
     if no_convert or not backend.runnable:

@@ -103,10 +103,15 @@ def calibrate(out: str | Path, prompts: list[Prompt], decode_steps: int = 8, max
     entry = {"path": FOLDER, "index": f"{FOLDER}/index.json", "ranges": f"{FOLDER}/ranges.json",
              "prompts": len(prompts), "decode_steps": decode_steps, "samples": recorder.counts()}
     manifest["calibration"] = entry
-    tmp = out / ".manifest.json.mtkc-tmp"
-    _write(tmp, dumps(manifest))
-    os.replace(tmp, out / "manifest.json")
+    save_manifest(out, manifest)
     return entry
+
+
+def save_manifest(out: Path, manifest: dict) -> None:
+    """Replace OUT/manifest.json in one rename (readers see the old or the new file)."""
+    tmp = Path(out) / ".manifest.json.mtkc-tmp"
+    _write(tmp, dumps(manifest))
+    os.replace(tmp, Path(out) / "manifest.json")
 
 
 class Recorder:
