@@ -11,6 +11,7 @@ DEFAULT = [
     "kv-cache",  # first: finds/inserts the cache while shapes are still computed by Shape ops
     "bind-shapes",
     "contrib-ops",  # before fold: a constant operand's Transpose is folded (or kept, per fold's policy)
+    "dynamic-quant",  # quantize_dynamic output -> MatMul on DequantizeLinear(int8 weight)
     "fold",
     "cleanup",
     "opset17",

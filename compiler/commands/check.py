@@ -60,6 +60,11 @@ def render(report: CheckReport) -> str:
         f"largest {max(a.partition_sizes, default=0)})",
         f"verdict     {report.verdict} (GOOD: largest partition > 75% of nodes, MAYBE: > 50%, else POOR)",
     ]
+    q = report.quantization
+    if q and q["state"] != "float":
+        lines.append(f"quantized   {q['state']}: {q['quantize_linear']} QuantizeLinear, {q['dequantize_linear']} DequantizeLinear "
+                     f"({q['per_channel']} per-channel; weights {', '.join(q['weight_dtypes']) or 'none'})"
+                     + "".join(f", {n} {op}" for op, n in {**q.get("dynamic", {}), **q.get("qoperator", {})}.items()))
     if report.unbound:
         lines.append(f"unbound     {', '.join(report.unbound)} (bind with --seq-len/--cache-len/--batch/--input-shape)")
     if a.groups:

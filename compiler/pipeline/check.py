@@ -79,6 +79,7 @@ class CheckReport:
     unbound: list[str] = field(default_factory=list)  # symbolic dims no option bound
     coverage_compiled: float | None = None
     rewritten_by: dict[str, str] = field(default_factory=dict)  # unsupported node -> pass that fixes it
+    quantization: dict = field(default_factory=dict)  # mtkc.passes.qdq.quantization_state of the input
 
     @property
     def verdict(self) -> str:
@@ -99,6 +100,7 @@ class CheckReport:
             "nodes": a.nodes,
             "coverage": {"raw": a.coverage, "compiled": self.coverage_compiled},
             "partitions": a.partitions,
+            "quantization": self.quantization,
             "unsupported": [
                 {**g.to_json(), "rewritten_by": {n: self.rewritten_by[n] for n in g.nodes if n in self.rewritten_by}}
                 for g in a.groups
@@ -137,8 +139,10 @@ def check_model(model: Model, table: Table, options: dict, compiled: bool = True
     `compiled`) runs on `model.fresh()`, so the file is parsed once."""
     unbound = bind_and_type(model.graph, Context(table, options, model.root))
     assessment = assess(model.graph, table, model.opset, model.values)
+    from mtkc.passes.qdq import quantization_state
+
     report = CheckReport(sdk=table.version, arch=table.arch, model=str(model.path),
-                         assessment=assessment, unbound=unbound)
+                         assessment=assessment, unbound=unbound, quantization=quantization_state(model.graph))
     if compiled:
         from mtkc.errors import MtkcError
         from mtkc.pipeline.compile import compiled_coverage
