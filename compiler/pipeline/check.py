@@ -100,11 +100,11 @@ class CheckReport:
             "nodes": a.nodes,
             "coverage": {"raw": a.coverage, "compiled": self.coverage_compiled},
             "partitions": a.partitions,
-            "quantization": self.quantization,
             "unsupported": [
                 {**g.to_json(), "rewritten_by": {n: self.rewritten_by[n] for n in g.nodes if n in self.rewritten_by}}
                 for g in a.groups
             ],
+            "quantization": self.quantization,
         }
 
 
