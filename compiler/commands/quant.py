@@ -21,6 +21,8 @@ def add_quant_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--keep-fp", metavar="LAYERS", help="decoder layers kept at 16 bits (mixed precision), e.g. 0,23")
     group.add_argument("--new-tokens", type=int, default=16, metavar="N",
                        help="greedy tokens compared with float per prompt (default 16)")
+    group.add_argument("--calibration-samples", type=int, metavar="N",
+                       help="activation ranges from at most N stored samples per partition, evenly spaced (default: all)")
     add_prompt_args(parser, "evaluation prompt")
 
 
@@ -31,7 +33,10 @@ def run_quant(args: argparse.Namespace) -> int:
         raise InputError(f"--new-tokens {args.new_tokens}: must be at least 1")
     min_cosine = DEFAULT_MIN_COSINE if args.min_cosine is None else args.min_cosine
     prompts = [p.ids for p in load_prompts(args)] if given(args) else calibration_prompts(args.out)[: args.samples]
-    result = simulate(args.out, args.quant, prompts, args.new_tokens, parse_layers(args.keep_fp), min_cosine)
+    if args.calibration_samples is not None and args.calibration_samples < 1:
+        raise InputError(f"--calibration-samples {args.calibration_samples}: must be at least 1")
+    result = simulate(args.out, args.quant, prompts, args.new_tokens, parse_layers(args.keep_fp), min_cosine,
+                      args.calibration_samples)
     if args.format == "json":
         json.dump(result.to_json(), sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")

@@ -140,14 +140,19 @@ def raise_opset(proto: onnx.ModelProto, version: int = 21) -> onnx.ModelProto:
 
 
 class SampleReader:
-    """onnxruntime `CalibrationDataReader` over one partition's stored samples."""
+    """onnxruntime `CalibrationDataReader` over one partition's stored samples. `set_range` lets the
+    calibrator take them one at a time (`CalibStridedMinMax`: each sample's intermediate tensors
+    are reduced to min/max before the next runs, so memory does not grow with the samples)."""
 
     def __init__(self, files: list[Path]):
         self.files = list(files)
-        self.position = 0
+        self.position, self.end = 0, len(self.files)
+
+    def set_range(self, start_index: int, end_index: int) -> None:
+        self.position, self.end = start_index, min(end_index, len(self.files))
 
     def get_next(self):
-        if self.position >= len(self.files):
+        if self.position >= self.end:
             return None
         self.position += 1
         with np.load(self.files[self.position - 1], allow_pickle=False) as data:
@@ -158,8 +163,9 @@ class SampleReader:
 
 
 def quantize_partition(out: Path, manifest: dict, graph: dict, part: dict, scheme: str, keep: set[int],
-                       workdir: Path) -> Path:
-    """Write the quantised copy of one NPU partition into `workdir`; returns its path."""
+                       workdir: Path, samples: int | None = None) -> Path:
+    """Write the quantised copy of one NPU partition into `workdir`; returns its path.
+    `samples`: calibrate on at most that many stored samples, evenly spaced (default: all)."""
     import logging
 
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
@@ -170,6 +176,8 @@ def quantize_partition(out: Path, manifest: dict, graph: dict, part: dict, schem
     from onnx.external_data_helper import load_external_data_for_model
 
     files = load_samples(out, manifest, folder_name(graph, part))
+    if samples and len(files) > samples:
+        files = [files[k * len(files) // samples] for k in range(samples)]
     proto = raise_opset(onnx.load(str(out / part["path"]), load_external_data=False))
     big = sum(t.ByteSize() for t in proto.graph.initializer) + sum(
         int(e.get("length", 0)) for e in ((external_info(t) or {}) for t in proto.graph.initializer)) > 1 << 30
@@ -190,7 +198,7 @@ def quantize_partition(out: Path, manifest: dict, graph: dict, part: dict, schem
             weight_type={16: QuantType.QInt16, 8: QuantType.QInt8, 4: QuantType.QInt4}[w_bits],
             op_types_to_quantize=op_types,
             calibrate_method=CalibrationMethod.MinMax, use_external_data_format=big,
-            extra_options={"ActivationSymmetric": a_bits == 16, "WeightSymmetric": True,
+            extra_options={"ActivationSymmetric": a_bits == 16, "WeightSymmetric": True, "CalibStridedMinMax": 1,
                            "TensorQuantOverrides": tensor_overrides})
     finally:
         logging.getLogger().setLevel(quiet)
@@ -269,7 +277,8 @@ class QuantResult:
 
 
 def simulate(out: str | Path, scheme: str, prompts: list[list[int]], new_tokens: int = 16,
-             keep_fp: list[int] | None = None, min_cosine: float = 0.99) -> QuantResult:
+             keep_fp: list[int] | None = None, min_cosine: float = 0.99,
+             calibration_samples: int | None = None) -> QuantResult:
     """Quantise every NPU partition with `scheme` and compare with float on `prompts` (see module doc)."""
     from mtkc.pipeline.verify import load_manifest
     from mtkc.runtime.generate import Generator
@@ -299,7 +308,8 @@ def simulate(out: str | Path, scheme: str, prompts: list[list[int]], new_tokens:
     with tempfile.TemporaryDirectory(prefix="mtkc-quant-") as tmp:
         quantized = {}
         for graph, part in npu_partitions(manifest):
-            quantized[graph["name"], part["id"]] = quantize_partition(out, manifest, graph, part, scheme, keep, Path(tmp))
+            quantized[graph["name"], part["id"]] = quantize_partition(
+                out, manifest, graph, part, scheme, keep, Path(tmp), calibration_samples)
 
         def floating(graph, part):
             path = out / part["path"]
