@@ -61,7 +61,7 @@ def _tree_rss_mb(pid: int) -> float:
     return total * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def measure(cmd: list[str], limit_mb: float, timeout: float = 1800) -> dict:
+def measure(cmd: list[str], limit_mb: float, timeout: float = 1800, stdout=subprocess.DEVNULL) -> dict:
     """Run `cmd` as a child; wall seconds and peak RSS (MB) of it and its descendants.
 
     Peak RSS is the larger of the kernel's ru_maxrss (largest single process) and the polled sum
@@ -69,7 +69,7 @@ def measure(cmd: list[str], limit_mb: float, timeout: float = 1800) -> dict:
     is shared and some tools need many times the model size in RAM.
     """
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     peak, killed = [0.0], [""]
     stderr_lines: list[str] = []

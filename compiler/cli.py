@@ -9,8 +9,8 @@ import os
 import sys
 
 from mtkc import __version__
-from mtkc.display import EscapingFormatter, escape
 from mtkc.backend.staging import interrupts_unwind
+from mtkc.display import EscapingFormatter, escape
 from mtkc.errors import MtkcError
 
 # Each module defines `add_parser(subparsers)`; the parser it adds sets `func=run(args)->int`.
@@ -22,6 +22,8 @@ COMMANDS = [
     "mtkc.commands.compile",
     "mtkc.commands.verify",
     "mtkc.commands.generate",
+    "mtkc.commands.calibrate",
+    "mtkc.commands.convert",
 ]
 
 log = logging.getLogger("mtkc")

@@ -37,7 +37,8 @@ MAX_ROUNDS = 8
 RELAYOUT_OPS = {"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"}
 GROWING_OPS = {"Expand", "Tile", "ConstantOfShape", "Range", "Resize", "Pad", "OneHot", "Upsample", "EyeLike"}
 NEVER_FOLD = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial",
-              "Bernoulli", "If", "Loop", "Scan", "Constant", "Dropout"}
+              "Bernoulli", "If", "Loop", "Scan", "Constant", "Dropout",
+              "DequantizeLinear", "QuantizeLinear"}  # quantised weights reach the converter quantised
 
 
 @register

@@ -12,6 +12,7 @@ DEFAULT = [
     "kv-cache",  # first: finds/inserts the cache while shapes are still computed by Shape ops
     "bind-shapes",
     "contrib-ops",  # before fold: a constant operand's Transpose is folded (or kept, per fold's policy)
+    "dynamic-quant",  # quantize_dynamic output -> MatMul on DequantizeLinear(int8 weight)
     "fold",
     "int4-weights",  # after fold: mtkc never folds the int8 codes into float weights
     "cleanup",

@@ -10,6 +10,10 @@ every op is in the SDK table. Each violation prints one line `ERROR: ...` naming
 node; the exit code is then 1. On success the output file is a small JSON record of what was
 checked, marked as a stand-in (it is not a DLA).
 
+Quantising hand-off (`mtkc convert OUT --quant`): `--calibration DIR --precision NAME` checks that
+DIR holds calibration samples (.npz) whose keys are exactly the partition's input names, with the
+input shapes, and that NAME is a MediaTek precision_proportion key; the record lists both.
+
 Fault injection for tests: `--reject-op TYPE` / `--reject-node NAME` treat those as unsupported;
 `--style terse` names only the op type, `--style opaque` names nothing (forces bisection).
 """
@@ -35,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reject-op", action="append", default=[])
     p.add_argument("--reject-node", action="append", default=[])
     p.add_argument("--style", choices=("named", "terse", "opaque"), default="named")
+    p.add_argument("--calibration", help="folder of calibration samples (.npz, keys = input names)")
+    p.add_argument("--precision", help="precision_proportion key, e.g. sym8W_sym16A")
     args = p.parse_args(argv)
 
     from mtkc.target.capability import available_sdks, load_table
@@ -62,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         if rejected or not table.has_op(node.domain or "ai.onnx", node.op_type):
             errors.append(_unsupported(node, sdk, args.style))
 
+    quant = _check_quant(model, args.calibration, args.precision, errors) if args.calibration or args.precision else None
+
     if errors:
         print("\n".join(errors), file=sys.stderr)
         print(f"standin-converter: {len(errors)} error(s); conversion failed", file=sys.stderr)
@@ -74,12 +82,40 @@ def main(argv: list[str] | None = None) -> int:
         "opset": opset,
         "nodes": len(model.graph.node),
         "ops": dict(sorted(Counter(n.op_type for n in model.graph.node).items())),
-        "checks": ["opset<=17", "static-shapes", "no-int64-tensors", "ops-in-table"],
+        "checks": ["opset<=17", "static-shapes", "no-int64-tensors", "ops-in-table"] + (["calibration-samples"] if quant else []),
+        **({"quantization": quant} if quant else {}),
     }
     with open(args.output, "w") as f:
         json.dump(record, f, indent=1, sort_keys=True)
     print(f"standin-converter: ok, {len(model.graph.node)} nodes checked (no DLA written)")
     return 0
+
+
+PRECISIONS = ("sym16W_sym16A", "sym8W_sym16A", "sym4W_sym16A", "sym8W_asym8A", "sym4W_asym8A")
+
+
+def _check_quant(model: onnx.ModelProto, folder: str | None, precision: str | None, errors: list[str]) -> dict:
+    """Calibration samples that feed this partition, and a known precision."""
+    import glob
+
+    import numpy as np
+
+    if precision not in PRECISIONS:
+        errors.append(f"ERROR: unknown precision '{precision}' (known: {', '.join(PRECISIONS)})")
+    files = sorted(glob.glob(f"{folder}/*.npz")) if folder else []
+    if not files:
+        errors.append(f"ERROR: Calibration failed: insufficient data (no samples in '{folder}')")
+    inputs = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim] for v in model.graph.input}
+    for path in files:
+        with np.load(path) as data:
+            if sorted(data.files) != sorted(inputs):
+                errors.append(f"ERROR: calibration sample '{path}' has inputs {sorted(data.files)}, expected {sorted(inputs)}")
+                break
+            bad = [k for k in data.files if list(data[k].shape) != inputs[k]]
+            if bad:
+                errors.append(f"ERROR: calibration sample '{path}' input '{bad[0]}' has shape {list(data[bad[0]].shape)}")
+                break
+    return {"precision": precision, "samples": len(files)}
 
 
 def _unsupported(node: onnx.NodeProto, sdk: str, style: str) -> str:

@@ -46,9 +46,10 @@ from mtkc.backend.stitch import boundaries
 from mtkc.errors import ConverterError, InputError
 from mtkc.ir.model import load
 
-PLACEHOLDERS = ("input", "output", "arch", "sdk", "input_names", "input_shapes", "onnx", "tflite", "dla")
+PLACEHOLDERS = ("input", "output", "arch", "sdk", "input_names", "input_shapes", "onnx", "tflite", "dla",
+                "calibration", "precision")
 SCRIPT = "convert.sh"
-PATH_KEYS = ("input", "output", "onnx", "tflite", "dla")
+PATH_KEYS = ("input", "output", "onnx", "tflite", "dla", "calibration")
 OUT_MARK = "@MTKC_OUT@"  # stands for "$OUT" in convert.sh (shlex-safe characters)
 MAX_BISECT_RUNS = 12  # 2**12 nodes pinned to one
 DEFAULT_TIMEOUT = 4 * 3600.0  # seconds per converter run; a real 7B partition takes minutes
@@ -98,6 +99,7 @@ class Job:
             "tflite": f"dla/{self.key}.tflite",
             "input_names": ",".join(self.input_names),
             "input_shapes": ":".join(",".join(str(d) for d in s) for s in self.input_shapes),
+            "calibration": f"calibration/{self.key}",  # the partition's samples (`mtkc calibrate`)
         }
 
 
@@ -164,15 +166,20 @@ def run(
     no_convert: bool = False,
     max_bisect_runs: int = MAX_BISECT_RUNS,
     timeout: float | None = None,
+    quant=None,
 ) -> Handoff:
-    """Write OUT/convert.sh, run the converter on every NPU partition when one is present."""
+    """Write OUT/convert.sh, run the converter on every NPU partition when one is present.
+    `quant`: a `mtkc.backend.quant_handoff.Quant` (the MediaTek back end then quantises)."""
     out = Path(out).resolve()
-    backend = command_backend(converter_cmd) if converter_cmd else mediatek_backend(converter or {})
+    backend = command_backend(converter_cmd) if converter_cmd else (
+        quant.backend(converter or {}) if quant else mediatek_backend(converter or {}))
     todo = jobs(manifest)
     context = {"arch": str(manifest.get("arch") or ""), "sdk": str(manifest.get("sdk") or ""),
-               "timeout": DEFAULT_TIMEOUT if timeout is None else float(timeout)}
+               "timeout": DEFAULT_TIMEOUT if timeout is None else float(timeout),
+               "precision": quant.precision if quant else ""}
     _write_script(out / SCRIPT, backend, todo, context)
-    section = {"backend": backend.name, "commands": [shlex.join(s) for s in backend.steps], "script": SCRIPT}
+    section = {"backend": backend.name, "commands": [shlex.join(s) for s in backend.steps], "script": SCRIPT,
+               **(quant.section() if quant else {})}
     if not todo:
         return Handoff({**section, "ran": False, "reason": "no NPU partition to convert"})
     if no_convert or not backend.runnable:

@@ -10,8 +10,8 @@ import tempfile
 from pathlib import Path
 
 from mtkc.commands import options
-from mtkc.display import escape
 from mtkc.commands.partitioning import add_placement
+from mtkc.display import escape
 from mtkc.pipeline.check import CheckReport, check
 
 EXAMPLES = 3  # example node names per row in the text table
@@ -68,6 +68,11 @@ def render(report: CheckReport) -> str:
         f"nodes       {a.nodes} ({a.constants} Constant nodes not counted)",
         f"NPU         {a.supported} nodes; coverage {a.coverage:.1%} raw, {compiled} after passes",
     ]
+    q = report.quantization
+    if q and q["state"] != "float":
+        lines.append(f"quantized   {q['state']}: {q['quantize_linear']} QuantizeLinear, {q['dequantize_linear']} DequantizeLinear "
+                     f"({q['per_channel']} per-channel; weights {', '.join(q['weight_dtypes']) or 'none'})"
+                     + "".join(f", {n} {op}" for op, n in {**q.get("dynamic", {}), **q.get("qoperator", {})}.items()))
     if report.unbound:
         lines.append(f"unbound     {escape(', '.join(report.unbound))} (bind with --seq-len/--cache-len/--batch/--input-shape)")
     if a.groups:

@@ -9,6 +9,7 @@ import sys
 from mtkc.commands.options import add_common
 from mtkc.errors import InputError
 from mtkc.runtime.generate import Generator
+from mtkc.runtime.prompts import add_prompt_args, load_prompts
 
 
 def add_parser(subparsers) -> None:
@@ -16,10 +17,10 @@ def add_parser(subparsers) -> None:
         "generate",
         help="greedy generation through compiled prefill/decode graphs (reference host runtime)",
         description="Run the prefill/decode graphs of a KV-cache compile (wired by OUT/manifest.json) "
-        "in onnxruntime and print the generated token ids.",
+        "in onnxruntime and print the generated token ids, one line per prompt.",
     )
     parser.add_argument("out", metavar="OUT", help="folder written by `mtkc compile`")
-    parser.add_argument("--prompt-ids", required=True, help="comma-separated prompt token ids, e.g. 1,2,3")
+    add_prompt_args(parser)
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     parser.add_argument("--mask-value", type=float, help="additive mask value (default: the one compiled, recorded in the manifest)")
     parser.add_argument("--format", choices=("text", "json"), default="text", help="output format")
@@ -27,25 +28,17 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def parse_ids(text: str) -> list[int]:
-    try:
-        ids = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise InputError(f"--prompt-ids '{text}': expected comma-separated integers") from None
-    if not ids or any(x < 0 for x in ids):
-        raise InputError(f"--prompt-ids '{text}': expected at least one non-negative token id")
-    return ids
-
-
 def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 0:
         raise InputError(f"--max-new-tokens {args.max_new_tokens}: must be >= 0")
+    prompts = load_prompts(args)
     generator = Generator(args.out, mask_value=args.mask_value)
-    tokens = generator.generate(parse_ids(args.prompt_ids), args.max_new_tokens)
-    if args.format == "json":
-        json.dump({"tokens": tokens, **({"stopped": generator.stop_reason} if generator.stop_reason else {})},
-                  sys.stdout)
-        sys.stdout.write("\n")
-    else:
-        print(" ".join(map(str, tokens)))
+    for prompt in prompts:  # one line per prompt (JSON: one object per line)
+        tokens = generator.generate(prompt.ids, args.max_new_tokens)
+        if args.format == "json":
+            json.dump({"tokens": tokens, **({"stopped": generator.stop_reason} if generator.stop_reason else {})},
+                      sys.stdout)
+            sys.stdout.write("\n")
+        else:
+            print(" ".join(map(str, tokens)))
     return 0

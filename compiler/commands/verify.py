@@ -7,9 +7,10 @@ import json
 import sys
 
 from mtkc.commands.options import add_common
+from mtkc.commands.quant import add_quant_args, run_quant
 from mtkc.errors import InputError, MismatchError
-from mtkc.pipeline.oracle import NEW_TOKENS
 from mtkc.options import check_tolerances
+from mtkc.pipeline.oracle import NEW_TOKENS
 from mtkc.pipeline.verify import format_text, verify
 
 
@@ -30,12 +31,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--samples", type=int, default=3, help="seeded input sets (default 3)")
     parser.add_argument("--atol", type=float, default=1e-3, help="absolute tolerance (default 1e-3)")
     parser.add_argument("--rtol", type=float, default=1e-3, help="tolerance relative to each output's largest magnitude (default 1e-3)")
-    parser.add_argument("--min-cosine", type=float, default=0.999, help="minimum cosine similarity (default 0.999)")
+    parser.add_argument("--min-cosine", type=float, help="minimum cosine similarity (default 0.999; 0.99 with --quant)")
     parser.add_argument("--model", help="original model (default: the path recorded in the manifest; "
                         "its sha256 must be the compiled one's)")
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS, metavar="N",
-                        help=f"greedy tokens per prompt the oracle compares (default {NEW_TOKENS}; 0: per-graph only)")
+                        help=f"greedy tokens per prompt compared (the oracle; with --quant, against float) (default {NEW_TOKENS}; 0: per-graph only)")
     parser.add_argument("--format", choices=("text", "json"), default="text", help="output format on stdout")
+    add_quant_args(parser)
     add_common(parser)
     parser.set_defaults(func=run)
     return parser
@@ -46,6 +48,9 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"--samples {args.samples}: must be at least 1")
     if args.new_tokens < 0:
         raise InputError(f"--new-tokens {args.new_tokens}: must be >= 0")
+    if args.quant:
+        return run_quant(args)
+    args.min_cosine = 0.999 if args.min_cosine is None else args.min_cosine
     check_tolerances(args.atol, args.rtol, args.min_cosine)
     result = verify(args.out, samples=args.samples, atol=args.atol, rtol=args.rtol,
                     min_cosine=args.min_cosine, model=args.model, new_tokens=args.new_tokens)

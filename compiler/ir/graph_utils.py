@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import onnx_graphsurgeon as gs
 
+
 def static_shape(t: gs.Tensor) -> tuple[int, ...] | None:
     """The shape as ints when every dim is a known non-negative int, else None."""
     shape = t.shape

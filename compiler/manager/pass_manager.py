@@ -28,9 +28,9 @@ from typing import Callable
 
 import onnx_graphsurgeon as gs
 
+from mtkc import passes as pass_package
 from mtkc.errors import InputError, MtkcError, PassError
 from mtkc.ir import shapes
-from mtkc import passes as pass_package
 from mtkc.manager import invariants
 from mtkc.manager.guard import guarded, one_line
 from mtkc.manager.verify_each import EachVerifier

@@ -20,6 +20,7 @@ from mtkc.errors import MtkcError
 from mtkc.ir.model import load
 from mtkc.manager.pass_manager import load_registry
 from mtkc.options import Options, of
+from mtkc.passes.qdq import quantization_state
 from mtkc.pipeline.build import Build, build, raw_assessment
 from mtkc.rewrite.pass_api import Pass
 from mtkc.target import capability
@@ -58,6 +59,7 @@ class CheckReport:
     bound: dict[str, int] = field(default_factory=dict)  # dims compile binds by default
     picked: dict[str, str] = field(default_factory=dict)  # choices compile makes, with why
     rewritten_by: dict[str, str] = field(default_factory=dict)  # unsupported node -> pass that fixes it
+    quantization: dict = field(default_factory=dict)  # mtkc.passes.qdq.quantization_state of the input
 
     @property
     def cpu_fallback(self) -> bool:
@@ -117,6 +119,7 @@ class CheckReport:
                  "rewritten_by": {n: self.rewritten_by[n] for n in g.nodes if n in self.rewritten_by}}
                 for g in a.groups
             ],
+            "quantization": self.quantization,
         }
 
 
@@ -150,7 +153,8 @@ def check(model_path, sdk: str, options: Options | dict[str, Any] | None = None,
     model = load(model_path)
     if not compiled:
         raw, unbound = raw_assessment(model, table, options)
-        return CheckReport(table.version, table.arch, str(model_path), raw, unbound)
+        return CheckReport(table.version, table.arch, str(model_path), raw, unbound,
+                           quantization=quantization_state(model.graph))
     watch: set[str] = set()
     fixed: dict[str, str] = {}
 
@@ -164,7 +168,8 @@ def check(model_path, sdk: str, options: Options | dict[str, Any] | None = None,
     raw_model = model.fresh()
     raw, unbound = raw_assessment(raw_model, table, options)
     watch.update(n for g in raw.groups for n in g.nodes)
-    report = CheckReport(table.version, table.arch, str(model_path), raw, unbound)
+    report = CheckReport(table.version, table.arch, str(model_path), raw, unbound,
+                         quantization=quantization_state(raw_model.graph))
     try:
         result = build(model, options, table, observe=track, raw=False)
     except MtkcError as exc:  # the raw verdicts still stand; say why compile's outcome is missing

@@ -35,20 +35,19 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-import onnxruntime as ort
 
 from mtkc.backend.manifest import sha256
-from mtkc.backend.outdir import check_graph_file, confined, load_table, read_manifest
+from mtkc.backend.outdir import confined, load_table, read_manifest
 from mtkc.contract import exporters, io
 from mtkc.contract import mask as contract_mask
 from mtkc.contract.positions import rope_rows
 from mtkc.display import escape
-from mtkc.errors import InputError, MismatchError
+from mtkc.errors import InputError
 from mtkc.ir.compare import compare
-from mtkc.ir.execute import session
 from mtkc.passes.kv_cache import export_names
 from mtkc.pipeline.oracle import NEW_TOKENS, Generation, Original, OriginalRun, compare_generation, prompts
 from mtkc.runtime.generate import Generator
+from mtkc.runtime.graphs import guarded, load_session, run_partitions, run_session
 from mtkc.runtime.sessions import Sessions
 
 DYNAMIC_SEQ = 8  # tokens per sample when the compiled graph leaves the sequence length open
@@ -132,57 +131,6 @@ def original_path(manifest: dict, out: Path, override: str | Path | None = None)
     if not path.is_file():
         raise InputError(f"{path}: source model not found; pass --model PATH")
     return path
-
-
-def load_session(path: Path):
-    """An ORT CPU session for an ONNX file, external data resolved beside it.
-
-    From the path when onnxruntime takes it as is (it maps external data, no copy in Python); a
-    model whose external data it refuses (a Hugging Face cache layout) goes through `session`."""
-    proto = check_graph_file(path)  # external data inside its folder and within the files
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    try:
-        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    except Exception:  # onnxruntime's own error types; the proto route below names the problem
-        pass
-    return session(proto, path.parent)
-
-
-def run_partitions(out: Path, graph: dict, feeds: dict[str, np.ndarray], sessions: Sessions | None = None) -> dict[str, np.ndarray]:
-    """Run the partitions in manifest order, each fed by name from the graph inputs and earlier partitions."""
-    sessions = Sessions(out, optimize=False) if sessions is None else sessions
-    env = dict(feeds)
-    for part in graph["partitions"]:
-        missing = [i["name"] for i in part["inputs"] if i["name"] not in env]
-        if missing:
-            raise InputError(f"manifest: partition {graph['name']}/{part['id']} input '{missing[0]}' is made by no earlier partition")
-        path = Path(out) / part["path"]
-        if not path.is_file():
-            raise InputError(f"{path}: partition {graph['name']}/{part['id']} listed in the manifest is missing")
-        session = _guarded(lambda: sessions.get(path), f"partition {graph['name']}/{part['id']}")
-        names = [o["name"] for o in part["outputs"]]
-        feeds_ = {i["name"]: env[i["name"]] for i in part["inputs"]}
-        env.update(zip(names, _guarded(lambda: session.run(names, feeds_), f"partition {graph['name']}/{part['id']}")))
-    return {o["name"]: env[o["name"]] for o in graph["outputs"]}
-
-
-def run_session(sess, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    names = [o.name for o in sess.get_outputs()]
-    wanted = {i.name for i in sess.get_inputs()}
-    return dict(zip(names, sess.run(names, {k: v for k, v in feeds.items() if k in wanted})))
-
-
-def _guarded(call, what: str):
-    """Run one onnxruntime call; a runtime failure is a verification failure naming `what`."""
-    try:
-        return call()
-    except (MismatchError, InputError):
-        raise
-    except Exception as exc:  # onnxruntime raises its own Fail/InvalidArgument/RuntimeException types
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise MismatchError(f"verify: {what} does not run in onnxruntime: {first[:300]}") from None
 
 
 @dataclass
@@ -338,7 +286,7 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
     original_outputs += [aliases[o] for o in original_outputs if o in aliases]
     planned = list(_expected(manifest, reference, samples, host, aliases))
     del reference  # phase 2: the compiled graphs only
-    generations = [_guarded(lambda: compare_generation(generator, run, compare, atol, rtol, min_cosine), "generation")
+    generations = [guarded(lambda: compare_generation(generator, run, compare, atol, rtol, min_cosine), "generation")
                    for run in runs]
     worst: dict[tuple, Check] = {}
     for pipeline in ("graph", "partitions"):  # whole graphs on the runtime's sessions, then (those released) partitions
@@ -355,8 +303,8 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
                     outputs = run_partitions(out, g, gfeeds, sessions)
                 else:
                     if g["name"] not in wholes:
-                        wholes[g["name"]] = _guarded(lambda: sessions.get(out / g["path"]), f"graph {g['path']}")
-                    outputs = _guarded(lambda: run_session(wholes[g["name"]], gfeeds), f"graph {g['path']}")
+                        wholes[g["name"]] = guarded(lambda: sessions.get(out / g["path"]), f"graph {g['path']}")
+                    outputs = guarded(lambda: run_session(wholes[g["name"]], gfeeds), f"graph {g['path']}")
                 made.update(((g["name"], name), value) for name, value in outputs.items())
                 for name, value in outputs.items():
                     if (g["name"], name) not in wired:
@@ -386,7 +334,7 @@ def _expected(manifest: dict, reference, samples: int, host: Host, aliases: dict
 def _runtime(out: Path, skipped: list[str]):
     """The reference runtime over OUT's graphs, or None (why, in `skipped`) when they are outside its contract."""
     try:
-        return _guarded(lambda: Generator(out), "the reference runtime")
+        return guarded(lambda: Generator(out), "the reference runtime")
     except InputError as exc:  # e.g. compiled without the kv-cache pass: exporter cache names left
         skipped.append(f"oracle: the reference runtime cannot run these graphs: {exc}")
         return None
@@ -402,7 +350,7 @@ def original_runs(generator, manifest: dict, reference, new_tokens: int, skipped
         skipped.append(f"oracle: the original export cannot be run as exported: {original}")
         return []
     vocab = _vocab(next(g for g in manifest["graphs"] if any(o["name"] == io.LOGITS for o in g["outputs"])), reference)
-    return [_guarded(lambda: original.run(prompt, new_tokens), "the original export")
+    return [guarded(lambda: original.run(prompt, new_tokens), "the original export")
             for prompt in prompts(generator.prefill[0].tokens, generator.cache_len, vocab, new_tokens)]
 
 

@@ -29,8 +29,7 @@ constraint predicates (`predicates`) and remedy text (`remedies`) live in module
 """
 
 from mtkc.target.loader import Catalog, available_sdks, load_table, normalize_sdk
-from mtkc.target.model import (CONSTRAINTS, DTYPES, PROVENANCE, REASONS, SUPPORTED, Entry, Remedy, Table,
-                               Verdict)
+from mtkc.target.model import CONSTRAINTS, DTYPES, PROVENANCE, REASONS, SUPPORTED, Entry, Remedy, Table, Verdict
 from mtkc.target.predicates import DEFAULT_DOMAIN
 from mtkc.target.remedies import remedy_text
 

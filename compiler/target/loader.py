@@ -12,9 +12,18 @@ import re
 import tomllib
 
 from mtkc.errors import InputError
-from mtkc.target.model import (CONSTRAINTS, DEFAULT_CONSTRAINTS, DTYPES, ENTRY_META, PROVENANCE, REASONS, Entry,
-                               Remedy, Table, version_key)
-from mtkc.target.predicates import DEFAULT_DOMAIN
+from mtkc.target.model import (
+    CONSTRAINTS,
+    DEFAULT_CONSTRAINTS,
+    DTYPES,
+    ENTRY_META,
+    PROVENANCE,
+    REASONS,
+    Entry,
+    Remedy,
+    Table,
+    version_key,
+)
 
 FILE_RE = re.compile(r"^neuropilot-(\d+(?:\.\d+)*)\.toml$")
 

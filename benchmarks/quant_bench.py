@@ -1,0 +1,89 @@
+"""Quantisation readiness at Qwen2.5-0.5B dimensions (random weights): calibrate, then simulate.
+
+    python benchmarks/quant_bench.py [--prompts 200] [--decode-steps 1] [--layers 24]
+
+Steps (each its own child process, wall and peak RSS measured by `bench.measure`):
+  compile   the 0.5B-dimension export (legacy17 + KV cache; `bench.ensure_export`), T=128, C=512
+  calibrate N seeded prompts of 8..300 token ids, K greedy decode steps each; disk of OUT/calibration
+  verify    --quant A16W8 / A16W4, without and with --keep-fp of the layers the first run names
+Writes benchmarks/quant_results.json. Random weights are not trained weights: the cosines say how
+the simulation behaves at this size, not how a real Qwen2.5 quantises.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+from bench import HERE, ensure_export, machine, measure
+
+
+def prompts_file(path: Path, count: int, vocab: int = 151936) -> Path:
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for _ in range(count):
+            n = rng.choice([rng.randint(8, 64), rng.randint(65, 200), rng.randint(201, 300)])
+            f.write(json.dumps({"ids": [rng.randrange(3, vocab) for _ in range(n)]}) + "\n")
+    return path
+
+
+def disk(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompts", type=int, default=200)
+    p.add_argument("--decode-steps", type=int, default=1)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--calibration-samples", type=int, default=16, help="samples per partition the simulation calibrates on")
+    p.add_argument("--eval-prompts", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--limit-gb", type=float, default=14)
+    p.add_argument("--work", type=Path, default=HERE / "cache" / "quant")
+    args = p.parse_args(argv)
+    limit = args.limit_gb * 1024
+    model = ensure_export(HERE / "cache", "0.5b", args.layers)
+    args.work.mkdir(parents=True, exist_ok=True)
+    out = args.work / f"out-L{args.layers}"
+    mtkc = [sys.executable, "-m", "mtkc"]
+    rows = {"compile": measure(mtkc + ["compile", str(model), "--sdk", "8.0", "--seq-len", "128", "--cache-len", "512",
+                                       "-o", str(out), "--no-convert", "--overwrite"], limit)}
+    prompts = prompts_file(args.work / "prompts.jsonl", args.prompts)
+    rows["calibrate"] = measure(mtkc + ["calibrate", str(out), "--prompts", str(prompts), "--decode-steps",
+                                        str(args.decode_steps)], limit, timeout=7200)
+    rows["calibrate"]["disk_bytes"] = disk(out / "calibration")
+    rows["calibrate"]["samples"] = json.loads((out / "manifest.json").read_text())["calibration"]["samples"]
+    results = {}
+    for scheme in ("A16W8", "A16W4"):
+        for keep in (None, "named"):
+            json_out = args.work / f"{scheme}-{keep or 'plain'}.json"
+            cmd = mtkc + ["verify", str(out), "--quant", scheme, "--samples", str(args.eval_prompts), "--new-tokens",
+                          str(args.new_tokens), "--calibration-samples", str(args.calibration_samples), "--format", "json"]
+            if keep:
+                named = results.get(f"{scheme} plain", {}).get("suggest")
+                if not named:
+                    continue
+                cmd += ["--keep-fp", named.split()[-1]]
+            with open(json_out, "w") as sink:
+                row = measure(cmd, limit, timeout=7200, stdout=sink)
+            data = json.loads(json_out.read_text()) if json_out.stat().st_size else {}
+            row.update({k: data.get(k) for k in ("suggest", "weak_layers", "keep_fp", "ok")})
+            row["outputs"] = {f"{o['graph']}/{o['output']}": round(o["cosine"], 6) for o in data.get("outputs", [])
+                              if o["output"] == "logits"}
+            row["tokens"] = {k: data.get("tokens", {}).get(k) for k in ("agreement", "prefix", "prompts", "new_tokens")}
+            row["layers"] = [round(entry["cosine"], 6) for entry in data.get("layers", [])]
+            results[f"{scheme} {'plain' if not keep else 'keep-fp'}"] = row
+    rows["verify"] = results
+    report = {"note": "random weights (factory seed 0), not trained Qwen2.5 weights", "layers": args.layers,
+              "prompts": args.prompts, "decode_steps": args.decode_steps, "rows": rows, "machine": machine()}
+    (HERE / "quant_results.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    print(json.dumps(report, indent=2, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

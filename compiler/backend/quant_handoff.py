@@ -1,0 +1,86 @@
+"""A hand-off that quantises: MediaTek's converter fed each NPU partition's calibration samples.
+
+    mtkc convert OUT --quant A16W4      (after `mtkc calibrate OUT`)
+      per NPU partition: mtk_converter.OnnxConverter(partition.onnx)
+                           quantize = True, use_per_output_channel_quantization = True
+                           calibration_data_gen = the partition's OUT/calibration/<graph>.<partition>/*.npz
+                                                  (inputs in the partition's input order)
+                           precision_proportion = {PRECISION[scheme]: 1.0}
+                         -> .tflite -> ncc-tflite (the SDK table's compile command) -> .dla
+
+The converter step is MediaTek's Python API (its CLI takes no calibration data), written into
+convert.sh so a user with the SDK runs exactly these settings; with `--converter-cmd` the user's
+command gets `{calibration}` (the samples folder) and `{precision}`. Nothing runs when the SDK is
+absent, and nothing pretends it did.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import sys
+from dataclasses import dataclass
+
+from mtkc.backend import handoff
+
+# precision_proportion keys. Public code shows only "sym8W_sym16A" (8-bit weights, 16-bit
+# activations); the others follow its pattern (inferred, not attested).
+PRECISION = {"A16W16": "sym16W_sym16A", "A16W8": "sym8W_sym16A", "A16W4": "sym4W_sym16A",
+             "A8W8": "sym8W_asym8A", "A8W4": "sym4W_asym8A"}
+ATTESTED = {"sym8W_sym16A"}
+
+PY_QUANT = """\
+import glob, sys
+import numpy as np, mtk_converter
+src, dst, names, shapes, calibration, precision, spec = sys.argv[1:8]
+names = names.split(',')
+converter = mtk_converter.OnnxConverter.from_model_proto_file(
+    src, input_names=names,
+    input_shapes=[[int(d) for d in s.split(',') if d] for s in shapes.split(':')])
+
+def samples():
+    for path in sorted(glob.glob(calibration + '/*.npz')):
+        with np.load(path) as data:
+            yield [data[name] for name in names]
+
+converter.quantize = True
+converter.use_per_output_channel_quantization = True
+converter.calibration_data_gen = samples
+converter.precision_proportion = dict([(precision, 1.0)])  # no braces: the code is a command template
+converter.convert_to_tflite(output_file=dst, tflite_op_export_spec=spec)
+"""
+
+
+@dataclass(frozen=True)
+class Quant:
+    """The quantisation settings of one hand-off."""
+
+    scheme: str
+
+    @property
+    def precision(self) -> str:
+        return PRECISION[self.scheme]
+
+    def backend(self, converter) -> handoff.Backend:
+        """MediaTek's chain with the quantising Python step, runnable when mtk_converter and the compiler are present."""
+        import importlib.util
+
+        plain = handoff.mediatek_backend(converter)
+        compile_ = shlex.split(converter.get("compile", ""))
+        spec = handoff._export_spec(shlex.split(converter.get("convert", "")))
+        python = [sys.executable, "-c", PY_QUANT, "{onnx}", "{tflite}", "{input_names}", "{input_shapes}",
+                  "{calibration}", "{precision}", spec]
+        steps = [python] + ([compile_] if compile_ else [])
+        if not compile_:
+            return handoff.Backend("mediatek-quant", steps, False, plain.reason)
+        if not shutil.which(compile_[0]):
+            return handoff.Backend("mediatek-quant", steps, False, f"{compile_[0]} not found")
+        if importlib.util.find_spec("mtk_converter") is None:
+            return handoff.Backend("mediatek-quant", steps, False, "mtk_converter (Python) not found; quantising needs its API")
+        return handoff.Backend("mediatek-quant", steps, True)
+
+    def section(self) -> dict:
+        return {"quant": {"scheme": self.scheme, "precision_proportion": {self.precision: 1.0},
+                          "precision_attested": self.precision in ATTESTED, "per_output_channel": True,
+                          "calibration": "calibration/<graph>.<partition>/*.npz"}}
+

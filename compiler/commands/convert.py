@@ -1,0 +1,46 @@
+"""`mtkc convert OUT --quant SCHEME`: hand the NPU partitions to MediaTek's converter, quantising."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mtkc.backend.quant_handoff import PRECISION
+from mtkc.commands.options import add_common
+from mtkc.pipeline.convert import convert
+
+
+def add_parser(subparsers) -> None:
+
+    parser = subparsers.add_parser(
+        "convert",
+        help="convert OUT's NPU partitions with quantisation on (needs `mtkc calibrate OUT` first)",
+        description="Rewrite OUT/convert.sh so MediaTek's converter quantises every NPU partition: "
+        "quantize on, per-output-channel weights, calibration_data_gen fed from "
+        "OUT/calibration/<graph>.<partition>/*.npz, precision_proportion of the scheme; run it when the "
+        "SDK is present (exit 3 when it fails), else only write the script.",
+    )
+    parser.add_argument("out", metavar="OUT", help="folder written by `mtkc compile` and `mtkc calibrate`")
+    parser.add_argument("--quant", required=True, choices=list(PRECISION), metavar="SCHEME",
+                        help=f"MediaTek precision: {', '.join(PRECISION)}")
+    parser.add_argument("--converter-cmd", metavar="TEMPLATE",
+                        help="your converter command per NPU partition; placeholders as compile's, plus "
+                        "{calibration} (the samples folder) and {precision}")
+    parser.add_argument("--no-convert", action="store_true", help="only write OUT/convert.sh; run no converter")
+    parser.add_argument("--format", choices=("text", "json"), default="text", help="summary format on stdout")
+    add_common(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+
+    section = convert(args.out, args.quant, args.converter_cmd, args.no_convert)
+    if args.format == "json":
+        json.dump(section, sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+    elif section.get("ran"):
+        print(f"converted {len(section['partitions'])} partition(s) with {args.quant}; logs in {args.out}/logs")
+    else:
+        print(f"not converted ({section['reason']})")
+    return 0

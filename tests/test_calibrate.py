@@ -1,0 +1,112 @@
+"""`mtkc calibrate`: every NPU partition's inputs on real prompts, stored so they feed the partition.
+
+One tiny Qwen2 KV-cache compile (T=8, C=64) calibrated once with 10 prompts of 2..20 tokens and
+3 decode steps; the checks run on what it wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from mtkc.pipeline.calibrate import calibrate
+from mtkc.pipeline.compile import compile_model
+from mtkc.runtime.graphs import load_session
+from mtkc.runtime.prompts import Prompt
+
+T, C, DECODE = 8, 64, 3
+PROMPTS = [[(7 * k + 3 * j) % 997 + 3 for j in range(n)] for k, n in enumerate((2, 5, 8, 9, 13, 16, 17, 20, 3, 11))]
+
+
+@pytest.fixture(scope="module")
+def out(exported, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("calib") / "out"
+    compile_model(exported("qwen2", "legacy17", True), "8.0", folder, {"seq_len": T, "cache_len": C, "kv_cache": True})
+    calibrate(folder, [Prompt(p) for p in PROMPTS], DECODE)
+    return folder
+
+
+def _manifest(out):
+    return json.loads((out / "manifest.json").read_text())
+
+
+def _npu(out):
+    return [(g, p) for g in _manifest(out)["graphs"] for p in g["partitions"] if p["target"] == "npu"]
+
+
+def test_samples_feed_each_npu_partition_with_finite_outputs(out):
+    parts = _npu(out)
+    assert {g["name"] for g, _ in parts} == {"prefill", "decode"}
+    for graph, part in parts:
+        files = sorted((out / "calibration" / f"{graph['name']}.{part['id']}").glob("*.npz"))
+        expected = sum(-(-len(p) // T) for p in PROMPTS) if graph["name"] == "prefill" else DECODE * len(PROMPTS)
+        assert len(files) == expected
+        session = load_session(out / part["path"])
+        names = [o.name for o in session.get_outputs()]
+        for f in files[:: max(1, len(files) // 6)]:
+            with np.load(f) as data:
+                assert sorted(data.files) == sorted(i["name"] for i in part["inputs"])
+                feed = {k: data[k] for k in data.files}
+            for value in session.run(names, feed):
+                assert np.isfinite(value).all(), f.name
+
+
+def test_decode_samples_carry_a_filling_cache(out):
+    index = json.loads((out / "calibration" / "index.json").read_text())
+    decode = [s for s in index["samples"] if s["graph"] == "decode"]
+    assert len(decode) == DECODE * len(PROMPTS)
+    for sample in decode:
+        with np.load(out / "calibration" / sample["dir"] / sample["file"]) as data:
+            visible = int((data["attention_mask"][0, 0, 0, :C] == 0).sum())  # cache slots the token attends
+            assert visible == len(PROMPTS[sample["prompt"]]) + sample["step"]
+            assert np.abs(data["past_key_0"]).sum() > 0 and np.abs(data["past_value_1"]).sum() > 0
+
+
+def test_ranges_bound_every_sample(out):
+    ranges = json.loads((out / "calibration" / "ranges.json").read_text())
+    index = json.loads((out / "calibration" / "index.json").read_text())
+    for sample in index["samples"]:
+        with np.load(out / "calibration" / sample["dir"] / sample["file"]) as data:
+            for key in data.files:
+                r = ranges[sample["dir"]][key]
+                assert r["min"] <= data[key].min() and data[key].max() <= r["max"]
+                assert r["min"] <= r["p1"] <= r["p50"] <= r["p99"] <= r["max"]
+
+
+def test_manifest_records_calibration_and_rerun_is_byte_identical(out, tmp_path):
+    entry = _manifest(out)["calibration"]
+    assert entry["path"] == "calibration" and entry["prompts"] == len(PROMPTS) and entry["decode_steps"] == DECODE
+    assert entry["samples"] == {"decode.npu0": DECODE * len(PROMPTS), "prefill.npu0": sum(-(-len(p) // T) for p in PROMPTS)}
+    copy = tmp_path / "again"
+    shutil.copytree(out, copy)
+    calibrate(copy, [Prompt(p) for p in PROMPTS], DECODE)
+
+    def digest(folder):
+        return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(folder.rglob("*")) if p.is_file()}
+
+    assert digest(copy / "calibration") == digest(out / "calibration")
+    assert (copy / "manifest.json").read_bytes() == (out / "manifest.json").read_bytes()
+
+
+def test_cli_prints_disk_warns_and_refuses_past_max_bytes(out, tmp_path, run_cli):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(",".join(map(str, p)) for p in PROMPTS[:3]) + "\n")
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text("".join(json.dumps({"ids": p}) + "\n" for p in PROMPTS[:3]))
+    before = (out / "calibration" / "index.json").read_bytes()
+    code, _, err = run_cli("calibrate", out, "--prompts", jsonl, "--max-bytes", 1000)
+    assert code == 2 and "more than --max-bytes 1000" in err and "Traceback" not in err
+    assert (out / "calibration" / "index.json").read_bytes() == before  # nothing written
+    code, _, err = run_cli("calibrate", out, "--prompts", prompts)  # plain lines are text: need a tokenizer
+    assert code == 2 and "needs --tokenizer" in err and "Traceback" not in err
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    code, stdout, err = run_cli("calibrate", copy, "--prompts", jsonl, "--decode-steps", 1, "--format", "json")
+    assert code == 0, err
+    assert json.loads(stdout)["samples"] == {"decode.npu0": 3, "prefill.npu0": 3}
+    assert "MiB on disk" in err and "fewer than 200" in err and "decode.npu0 has 3" in err
