@@ -85,7 +85,7 @@ class DynamicQuant(Pass):
             if len(node.inputs) > 3:
                 zero = node.inputs[3]
                 if attrs and gu.static_shape(zero) != scale_shape:  # per-axis DQ: one zero point per scale
-                    zero = e.const("zero_per_axis", np.broadcast_to(values(zero, ctx.read_values), scale_shape)
+                    zero = e.const("zero_per_axis", np.broadcast_to(values(zero, ctx and ctx.read_values), scale_shape)
                                    .astype(gu.dtype_of(zero)))
                 dq_inputs.append(zero)
             dequantized = e.make("DequantizeLinear", *dq_inputs, _dtype=weight_scale.dtype, _shape=weight.shape, **attrs)

@@ -27,7 +27,8 @@ PROMPT = [17, 400, 23, 911, 5, 77, 301, 640]  # exactly T tokens: one prefill ca
 @pytest.fixture(scope="module")
 def out(exported, tmp_path_factory):
     folder = tmp_path_factory.mktemp("quant") / "out"
-    compile_model(exported("qwen2", "legacy17", True), "8.0", folder, {"seq_len": T, "cache_len": C, "kv_cache": True})
+    compile_model(exported("qwen2", "legacy17", True), "8.0", folder, {"seq_len": T, "cache_len": C, "kv_cache": True,
+                                                                                  "mask_value": -100.0})
     calibrate(folder, [Prompt(p) for p in CALIBRATION], 4)
     return folder
 

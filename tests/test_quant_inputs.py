@@ -18,6 +18,7 @@ import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from mtkc.contract import mask as contract_mask
 from mtkc.ir import execute
 from mtkc.passes.qdq import DynamicQuant, quantization_state
 from mtkc.pipeline.compile import compile_model
@@ -106,15 +107,14 @@ def test_dynamic_quant_becomes_dequantized_int8_weights_on_the_npu(kind, quantiz
 
 def _host_inputs(out, ids):
     """The compiled graph's other inputs (host embedding rows, additive causal mask, positions)."""
-    from mtkc.pipeline.verify import causal_mask
-
     manifest = json.loads((out / "manifest.json").read_text())
     feeds = {}
     for spec in manifest["graphs"][0]["inputs"]:
         if spec["name"] == "hidden_states":
             feeds["hidden_states"] = np.load(out / manifest["host"]["embedding"]["path"])[ids[0]][None]
         elif spec["name"] == "attention_mask":
-            feeds["attention_mask"] = causal_mask(SEQ, spec["shape"][3], np.float32, -100.0)
+            value = contract_mask.value_of(manifest["options"])
+            feeds["attention_mask"] = contract_mask.additive(SEQ, spec["shape"][3], value)[None, None]
         elif spec["name"] == "position_ids":
             feeds["position_ids"] = np.arange(SEQ, dtype=np.int32)[None]
         elif spec["name"] == "input_ids":

@@ -26,7 +26,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from mtkc.errors import InputError
 
@@ -43,10 +43,11 @@ _DISK_ERRORS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQU
 
 
 @contextlib.contextmanager
-def staged(out: Path, overwrite: bool) -> Iterator[Path]:
-    """Yield an empty staging folder beside `out`; on normal exit it becomes `out`."""
+def staged(out: Path, overwrite: bool, foreign: Callable[[Path], str | None] | None = None) -> Iterator[Path]:
+    """Yield an empty staging folder beside `out`; on normal exit it becomes `out`. `foreign(out)`
+    says why an existing `out` is not mtkc's to replace (default: `foreign_entry`, a compile's OUT)."""
     given, out = out, Path(os.path.abspath(out))  # `-o .`: a name to stage beside
-    check_target(out, overwrite, given)
+    check_target(out, overwrite, given, foreign)
     with disk_errors(given):
         out.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale(out)
@@ -55,7 +56,7 @@ def staged(out: Path, overwrite: bool) -> Iterator[Path]:
     try:
         with disk_errors(given):
             yield stage
-            check_target(out, overwrite, given)  # again: it may have appeared or changed meanwhile
+            check_target(out, overwrite, given, foreign)  # again: it may have appeared or changed meanwhile
             if os.path.lexists(out):
                 _swap(stage, out)  # stage now holds the previous OUT, removed below
             else:
@@ -65,7 +66,8 @@ def staged(out: Path, overwrite: bool) -> Iterator[Path]:
         _LIVE_STAGES.discard(stage)
 
 
-def check_target(out: Path, overwrite: bool, given: object = None) -> None:
+def check_target(out: Path, overwrite: bool, given: object = None,
+                 foreign: Callable[[Path], str | None] | None = None) -> None:
     """OUT may be written: absent, or (with `overwrite`) a folder mtkc wrote. Else InputError."""
     shown = given if given is not None else out
     out = Path(os.path.abspath(out))
@@ -75,9 +77,9 @@ def check_target(out: Path, overwrite: bool, given: object = None) -> None:
         raise InputError(f"{shown}: exists and is not a folder")
     if not overwrite:
         raise InputError(f"{shown}: exists; pass --overwrite to replace it")
-    foreign = foreign_entry(out)
-    if foreign is not None:
-        raise InputError(f"{shown}: not a folder mtkc wrote ({foreign}); --overwrite only replaces mtkc output, "
+    why = (foreign or foreign_entry)(out)
+    if why is not None:
+        raise InputError(f"{shown}: not a folder mtkc wrote ({why}); --overwrite only replaces mtkc output, "
                          "choose another -o")
 
 

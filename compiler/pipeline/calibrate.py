@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,7 +87,7 @@ def calibrate(out: str | Path, prompts: list[Prompt], decode_steps: int = 8, max
     _warn_thin(prompts, expected)
     recorder = Recorder()
     use_partitions(generator, manifest, partition_sessions(out, manifest, recorder.tap))
-    with staged(out / FOLDER, overwrite=True) as stage:
+    with staged(out / FOLDER, overwrite=True, foreign=_foreign) as stage:
         recorder.root = stage
         for k, prompt in enumerate(prompts):
             recorder.start(k)
@@ -201,3 +202,18 @@ def _nbytes(spec: dict) -> int:
 
 def _size(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+_OWN = re.compile(r"index\.json|ranges\.json|[^/]+|[^/]+/\d+\.npz")
+
+
+def _foreign(folder: Path) -> str | None:
+    """Why `folder` is not a calibration set mtkc wrote (then it is never replaced), or None."""
+    if any(folder.iterdir()) and not (folder / "index.json").is_file():
+        return "no index.json"
+    for path in sorted(folder.rglob("*")):
+        entry = path.relative_to(folder).as_posix()
+        if path.is_symlink() or not _OWN.fullmatch(entry) or (path.is_dir() and "/" in entry):
+            return f"holds '{entry}'"
+    return None
+

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from mtkc.contract import mask as contract_mask
 from mtkc.errors import InputError
 from mtkc.ir.execute import session
 from mtkc.ir.model import external_info
@@ -36,6 +37,8 @@ from mtkc.runtime.partitioned import GraphRunner, partition_sessions, use_partit
 SCHEMES = {"A16W16": (16, 16), "A16W8": (16, 8), "A16W4": (16, 4), "A8W8": (8, 8), "A8W4": (8, 4)}
 LAYER = re.compile(r"layers[./](\d+)[./]")
 _OPAQUE = "mtkc.opaque"  # stand-in domain for ops without an ONNX schema while the opset is raised
+
+MASK_RESOLUTION = 1000.0  # |mask value| above which 16-bit masked scores lose their fractional part
 
 
 def weight_index(node: onnx.NodeProto) -> int | None:
@@ -286,6 +289,11 @@ def simulate(out: str | Path, scheme: str, prompts: list[list[int]], new_tokens:
     manifest = load_manifest(out)
     keep = set(keep_fp or [])
     result = QuantResult(scheme, min_cosine, sorted(keep))
+    mask_value = contract_mask.value_of(manifest.get("options"))
+    if abs(mask_value) > MASK_RESOLUTION:
+        result.notes.append(f"the additive mask value {mask_value:g} sets the per-tensor range of the masked scores, "
+                            f"a step of {abs(mask_value) / 32767:.2g} at 16 bits; compile with MediaTek's "
+                            "--mask-value=-100 when `mtkc verify` passes with it")
     probes: dict[tuple[str, str], dict[int, str]] = {}  # (graph, partition) -> layer -> tensor
     for graph in manifest.get("graphs", []):
         for part in graph["partitions"]:

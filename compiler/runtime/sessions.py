@@ -41,8 +41,10 @@ class Sessions:
         options = ort.SessionOptions()
         options.log_severity_level = 3
         options.add_session_config_entry(NO_PREPACKING, "1")
-        if not self.optimize:
-            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        # basic (constant folding, redundant nodes) keeps the numbers; extended levels fuse QDQ
+        # pairs into integer kernels, which a reference for NPU graphs must not do
+        options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_BASIC if self.optimize
+                                            else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
         proto = onnx.load(str(path), load_external_data=False)
         for tensor in proto.graph.initializer:
             view = self._view(tensor, path.parent)
