@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping
 from mtkc.errors import InputError
 
 MAX_LEN = 1 << 17  # tokens (see the module docstring)
-MAX_BATCH = 1024
+MAX_BATCH = 1024  # LLM graphs on the NPU run batch 1; beyond this a bound input is a typo, not a plan
 MAX_ELEMENTS = 1 << 31  # one bound input: more elements cannot be indexed with int32
 CACHE_IO = ("new", "sliding")
 ROPE_MODES = ("table", "pos_emb")
