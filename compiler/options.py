@@ -6,8 +6,8 @@ value came from, so an error names the flag (`--seq-len`) or the config key
 (`mtkc.toml:seq_len`). Later layers override earlier ones. Passes read `ctx.options.<field>`.
 
 Bounds: lengths are capped at MAX_LEN = 2^17 tokens, the longest context the model families
-mtkc targets (Qwen2.5, Llama 3.1: 128 K) support; beyond it the additive mask alone
-([T, C+T] fp32) is hundreds of GiB and verify would try to allocate it.
+mtkc targets (Qwen2.5, Llama 3.1: 128 K) support, and T x (C + T), the additive mask's size, at
+2^31 elements (8 GiB in fp32): beyond that verify and generate would try to allocate it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping
 from mtkc.errors import InputError
 
 MAX_LEN = 1 << 17  # tokens (see the module docstring)
-MAX_BATCH = 1024
+MAX_BATCH = 1024  # LLM graphs on the NPU run batch 1; beyond this a bound input is a typo, not a plan
 MAX_ELEMENTS = 1 << 31  # one bound input: more elements cannot be indexed with int32
 CACHE_IO = ("new", "sliding")
 ROPE_MODES = ("table", "pos_emb")
@@ -227,6 +227,7 @@ class Layer:
 def build(layers: Iterable[Layer]) -> Options:
     """Options from sources in increasing priority; a value of None means "not given there"."""
     values: dict[str, Any] = {}
+    where: dict[str, str] = {}
     for layer in layers:
         for key, raw in layer.values.items():
             if raw is None:
@@ -238,6 +239,11 @@ def build(layers: Iterable[Layer]) -> Options:
             if expected is not None:
                 raise InputError(f"{layer.where(key)}: expected {expected}, got {_shown(raw)}")
             values[key] = value
+            where[key] = layer.where(key)
+    seq, cache = values.get("seq_len"), values.get("cache_len")
+    if seq and cache and seq * (seq + cache) > MAX_ELEMENTS:
+        raise InputError(f"{where['seq_len']} {seq} with {where['cache_len']} {cache}: the attention mask "
+                         f"[T, C+T] would hold {seq * (seq + cache)} elements (at most 2^31)")
     return Options(**values)
 
 

@@ -41,8 +41,8 @@ def test_check_reports_per_op_reasons(capsys, exported, family, exporter):
     assert code == 0
     report = json.loads(out)
     assert list(report) == ["schema_version", "sdk", "arch", "model", "verdict", "strict", "partitions",
-                            "largest_partition", "graphs", "unbound", "bound", "picked", "nodes", "coverage",
-                            "unsupported", "quantization"]
+                            "largest_partition", "graphs", "unbound", "bound", "picked", "suggested", "on_cpu", "nodes",
+                            "coverage", "unsupported", "quantization"]
     assert (report["sdk"], report["arch"]) == ("9.0", "mdla6.1")
     assert 0 < report["coverage"]["raw"] < report["coverage"]["compiled"] <= 1 and report["partitions"] >= 1
     assert sum(g["count"] for g in report["unsupported"]) < report["nodes"]

@@ -101,11 +101,23 @@ def test_check_json_leads_with_the_compile_outcome(capsys, exported):
     assert code == 0 and (report["verdict"], report["strict"], report["partitions"]) == ("GOOD", "pass", 2)
     assert report["unbound"] == ["batch_size", "past_sequence_length", "sequence_length", "total_sequence_length"]
     assert report["bound"] == {"seq_len": 128, "cache_len": 512, "batch": 1}
-    assert report["picked"]["rope_mode"].startswith("pos_emb: ")
+    assert report["picked"]["rope_mode"].startswith("pos_emb: ") and report["on_cpu"] == [] and not report["suggested"]
     assert all(g["detail"] for g in report["unsupported"])
     code, text, _ = mtkc(capsys, "check", exported("qwen2", "legacy17", cache=True), "--sdk", "7.0")
     first = text.splitlines()[2]
     assert first.startswith("verdict     GOOD after compile's pipeline") and " detail " in text
+
+
+def test_check_names_the_option_that_fixes_what_compile_leaves_on_the_cpu(capsys, exported):
+    model = exported("qwen2", "legacy17", cache=True)
+    code, out, _ = mtkc(capsys, "check", model, "--sdk", "7.0", "--rope-mode", "table", "--format", "json", "--strict")
+    report = json.loads(out)
+    assert code == 1 and report["strict"] == "fail" and report["picked"] == {}
+    assert {c["reason"].split(":")[0] for c in report["on_cpu"]} == {"host-op"}
+    assert len(report["on_cpu"]) == sum(g["cpu_nodes"] for g in report["graphs"]) == 4
+    assert report["suggested"]["rope_mode"].startswith("pos_emb: the table mode leaves 2 nodes of 'prefill'")
+    code, text, _ = mtkc(capsys, "check", model, "--sdk", "7.0", "--rope-mode", "table")
+    assert "remedy      --rope-mode pos_emb: " in text and "on CPU      prefill: " in text
 
 
 def test_a_directory_is_not_a_model(capsys, tmp_path):

@@ -24,6 +24,7 @@ BAD_FLAGS = [
     (["--mask-value=5"], "--mask-value: expected a finite negative number (e.g. -100), got 5.0"),
     (["--mask-value=nan"], "--mask-value: expected a finite negative number (e.g. -100), got nan"),
     (["--mask-value=-inf"], "--mask-value: expected a finite negative number (e.g. -100), got -inf"),
+    (["--seq-len", "65536", "--cache-len", "65536"], "--seq-len 65536 with --cache-len 65536: the attention mask"),
     (["--input-shape", "input_ids=1,0"], "--input-shape: expected a table of input name = [positive dims]"),
 ]
 BAD_CONFIG = [

@@ -64,6 +64,12 @@ def render(report: CheckReport) -> str:
                      + " (MediaTek's LLM defaults for dims left open)")
     for key, why in report.picked.items():
         lines.append(f"compile     picks {key}={why}")
+    for item in report.on_cpu[:EXAMPLES * 3]:
+        lines.append(f"on CPU      {item['graph']}: {item['node']} ({item['reason']})")
+    if len(report.on_cpu) > EXAMPLES * 3:
+        lines.append(f"on CPU      ... {len(report.on_cpu) - EXAMPLES * 3} more (--format json lists all)")
+    for key, better in report.suggested.items():
+        lines.append(f"remedy      --{key.replace('_', '-')} {better}")
     lines += [
         f"nodes       {a.nodes} ({a.constants} Constant nodes not counted)",
         f"NPU         {a.supported} nodes; coverage {a.coverage:.1%} raw, {compiled} after passes",

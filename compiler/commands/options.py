@@ -91,7 +91,9 @@ def add_llm(parser: argparse.ArgumentParser) -> None:
 def from_args(args: argparse.Namespace) -> Options:
     """Config (`--config`, or ./mtkc.toml / ./pyproject.toml) overridden by the flags given;
     both validated by `mtkc.options.build`."""
-    given = lambda name: getattr(args, name, None)  # noqa: E731 - flags a subcommand lacks are not given
+    def given(name: str):
+        return getattr(args, name, None)  # a flag this subcommand lacks is not given
+
     cli = {
         "sdk": given("sdk"),
         "arch": given("arch"),

@@ -77,13 +77,15 @@ class Build:
     unbound: list[str] = field(default_factory=list)  # input dims the user's options left symbolic
     bound: dict[str, int] = field(default_factory=dict)  # options set to LLM_DEFAULTS
     picked: dict[str, str] = field(default_factory=dict)  # choice -> "value: why"
+    suggested: dict[str, str] = field(default_factory=dict)  # a choice the user made that places worse
 
 
 def build(model: Model, options: Options, table, observe: Callable[[Pass, gs.Graph], None] | None = None,
-          raw: bool = True) -> Build:
+          raw: bool = True, suggest: bool = False) -> Build:
     """Everything compile decides for `model` (its graph is the first variant's, rewritten in place).
 
-    `observe(pass, graph)` runs after every pass of the first graph (`run_pipeline`).
+    `observe(pass, graph)` runs after every pass of the first graph (`run_pipeline`). `suggest`:
+    also try the other value of a choice the user made, and say when it places better (`check`).
     """
     result = Build(options, [])
     if raw and isinstance(table, Table):
@@ -93,31 +95,38 @@ def build(model: Model, options: Options, table, observe: Callable[[Pass, gs.Gra
         result.bound = llm_defaults(model.graph, options)
     options = result.options = options.replace(**result.bound)
     plan = plan_variants(model.graph, options)
-    for i, variant in enumerate(plan):
-        first = i == 0
-        m = model if first else model.fresh()
-        chosen = _best_first(m, variant.name, options.replace(**variant.options), table, observe, result) if first \
-            else _variant(m, variant.name, result.options.replace(**variant.options), table, None)
-        result.variants.append(chosen)
+    first, *rest = plan
+    result.variants.append(_best_first(model, first.name, options.replace(**first.options), table, observe, result,
+                                       suggest))
+    for variant in rest:  # with the choices made on the first graph
+        result.variants.append(_variant(model.fresh(), variant.name, result.options.replace(**variant.options),
+                                        table, None))
     return result
 
 
-def _best_first(model: Model, name: str, options: Options, table, observe, result: Build) -> GraphVariant:
+def _best_first(model: Model, name: str, options: Options, table, observe, result: Build,
+                suggest: bool) -> GraphVariant:
     """The first graph, with `rope_mode` picked when the user left it open: `table` unless the
     table's cos/sin Gather leaves nodes on the CPU and `pos_emb` leaves fewer."""
-    if options.rope_mode is not None:
-        return _variant(model, name, options, table, observe)
-    first = _variant(model, name, options.replace(rope_mode="table"), table, observe)
+    given = options.rope_mode
+    first = _variant(model, name, options.replace(rope_mode=given or "table"), table, observe)
     rope_ran = any(r.name == "rope" and r.rewrites for r in first.compiled.records)
-    best, mode = first, "table"
-    if rope_ran and first.cpu_nodes:
-        other = _variant(model.fresh(), name, options.replace(rope_mode="pos_emb"), table, observe)
-        if other.cpu_nodes < first.cpu_nodes:
-            best, mode = other, "pos_emb"
-            result.picked["rope_mode"] = (f"pos_emb: the cos/sin table gathered by position_ids leaves "
-                                          f"{first.cpu_nodes} nodes on the CPU of SDK {table.version}")
+    if not (rope_ran and first.cpu_nodes) or (given and not suggest):
+        result.options = result.options.replace(rope_mode=given or "table")
+        return first
+    mode = "pos_emb" if given in (None, "table") else "table"
+    other = _variant(model.fresh(), name, options.replace(rope_mode=mode), table, None if given else observe)
+    if other.cpu_nodes >= first.cpu_nodes:
+        result.options = result.options.replace(rope_mode=given or "table")
+        return first
+    why = f"the {given or 'table'} mode leaves {first.cpu_nodes} nodes of '{name}' on the CPU of SDK {table.version}, " \
+          f"{mode} {other.cpu_nodes}"
+    if given:
+        result.suggested["rope_mode"] = f"{mode}: {why}"
+        return first
+    result.picked["rope_mode"] = f"{mode}: {why}"
     result.options = result.options.replace(rope_mode=mode)
-    return best
+    return other
 
 
 def _variant(model: Model, name: str, options: Options, table, observe) -> GraphVariant:

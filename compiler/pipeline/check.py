@@ -58,6 +58,8 @@ class CheckReport:
     coverage_compiled: float | None = None
     bound: dict[str, int] = field(default_factory=dict)  # dims compile binds by default
     picked: dict[str, str] = field(default_factory=dict)  # choices compile makes, with why
+    suggested: dict[str, str] = field(default_factory=dict)  # your choices that place worse, and the better value
+    on_cpu: list[dict] = field(default_factory=list)  # {graph, node, reason} left on the CPU by compile
     rewritten_by: dict[str, str] = field(default_factory=dict)  # unsupported node -> pass that fixes it
     quantization: dict = field(default_factory=dict)  # mtkc.passes.qdq.quantization_state of the input
 
@@ -111,6 +113,8 @@ class CheckReport:
             "unbound": list(self.unbound),
             "bound": dict(self.bound),
             "picked": dict(self.picked),
+            "suggested": dict(self.suggested),
+            "on_cpu": list(self.on_cpu),
             "nodes": a.nodes,
             "coverage": {"raw": a.coverage, "compiled": self.coverage_compiled},
             "unsupported": [
@@ -171,7 +175,7 @@ def check(model_path, sdk: str, options: Options | dict[str, Any] | None = None,
     report = CheckReport(table.version, table.arch, str(model_path), raw, unbound,
                          quantization=quantization_state(raw_model.graph))
     try:
-        result = build(model, options, table, observe=track, raw=False)
+        result = build(model, options, table, observe=track, raw=False, suggest=True)
     except MtkcError as exc:  # the raw verdicts still stand; say why compile's outcome is missing
         log.warning("mtkc: compile would stop: %s; the verdict below is the input's", exc)
         return report
@@ -185,7 +189,10 @@ def _add_build(report: CheckReport, result: Build) -> None:
         nodes = sum(len(p["nodes"]) for p in v.partitions)
         npu = [p for p in v.partitions if p["target"] == "npu"]
         report.graphs.append(GraphSummary(v.name, nodes, v.cpu_nodes, len(v.partitions), len(npu), v.largest_npu))
+        report.on_cpu += [{"graph": v.name, "node": node, "reason": reason}
+                          for p in v.partitions for node, reason in p.get("cpu_reasons", {}).items()]
     known = [v.compiled.coverage for v in result.variants if v.compiled.coverage is not None]
     report.coverage_compiled = min(known) if known else None
     report.bound = dict(result.bound)
     report.picked = dict(result.picked)
+    report.suggested = dict(result.suggested)
