@@ -44,6 +44,7 @@ from mtkc.contract.positions import rope_rows
 from mtkc.errors import InputError, MismatchError
 from mtkc.ir.execute import session
 from mtkc.pipeline.oracle import NEW_TOKENS, Generation, Original, OriginalRun, compare_generation, prompts
+from mtkc.runtime.generate import Generator, host_table
 from mtkc.runtime.sessions import Sessions
 
 DYNAMIC_SEQ = 8  # tokens per sample when the compiled graph leaves the sequence length open
@@ -219,14 +220,9 @@ class Host:
     mask_value: float = contract_mask.DEFAULT_VALUE
 
     @classmethod
-    def from_manifest(cls, manifest: dict, out: Path) -> "Host":
-        tables = {}
-        for name, entry in (manifest.get("host") or {}).items():
-            path = Path(out) / entry["path"]
-            if not path.is_file():
-                raise InputError(f"{path}: host table '{name}' listed in the manifest is missing")
-            tables[name] = np.load(path, mmap_mode="r", allow_pickle=False)
-        return cls(tables.get("embedding"), tables.get("rope"), contract_mask.value_of(manifest.get("options")))
+    def from_manifest(cls, manifest: dict, out: Path) -> Host:
+        return cls(host_table(out, manifest, "embedding"), host_table(out, manifest, "rope"),
+                   contract_mask.value_of(manifest.get("options")))
 
 
 def build_feeds(original_inputs, compiled_inputs: list[dict], vocab: int, seed: int,
@@ -407,8 +403,6 @@ def _expected(manifest: dict, reference, samples: int, host: Host):
 
 def _runtime(out: Path, skipped: list[str]):
     """The reference runtime over OUT's graphs, or None (why, in `skipped`) when they are outside its contract."""
-    from mtkc.runtime.generate import Generator
-
     try:
         return _guarded(lambda: Generator(out), "the reference runtime")
     except InputError as exc:  # e.g. compiled without the kv-cache pass: exporter cache names left

@@ -133,13 +133,10 @@ class Generator:
         self.cache_shapes, self.cache_len, self.cache_io = {}, 0, layouts.DEFAULT_LAYOUT
 
     def _host(self, manifest: dict, name: str, why: str) -> np.ndarray:
-        entry = (manifest.get("host") or {}).get(name)
-        if not entry:
+        table = host_table(self.root, manifest, name)
+        if table is None:
             raise InputError(f"{self.root}/manifest.json: {why} but the manifest names no host table '{name}'")
-        path = self.root / entry["path"]
-        if not path.is_file():
-            raise InputError(f"{path}: host table '{name}' listed in the manifest is missing")
-        return np.load(path, mmap_mode="r")
+        return table
 
     # ------------------------------------------------------------------ generation
 
@@ -253,6 +250,17 @@ class Generator:
             past = io.past_of(name)
             if past in self.cache:
                 self.cache[past] = layouts.store(self.cache_io, self.cache[past], value, self.filled, k)
+
+
+def host_table(root: Path, manifest: dict, name: str) -> np.ndarray | None:
+    """A table of the manifest's `host` (memory-mapped), None when the manifest lists no `name`."""
+    entry = (manifest.get("host") or {}).get(name)
+    if not entry:
+        return None
+    path = Path(root) / entry["path"]
+    if not path.is_file():
+        raise InputError(f"{path}: host table '{name}' listed in the manifest is missing")
+    return np.load(path, mmap_mode="r", allow_pickle=False)
 
 
 def host_tables(passes, read_values) -> dict[str, np.ndarray | Callable[[], np.ndarray]]:
