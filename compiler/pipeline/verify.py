@@ -37,7 +37,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from mtkc.backend.manifest import sha256
-from mtkc.backend.outdir import confined, load_table, read_manifest
+from mtkc.backend.outdir import read_manifest
 from mtkc.contract import exporters, io
 from mtkc.contract import mask as contract_mask
 from mtkc.contract.positions import rope_rows
@@ -46,10 +46,11 @@ from mtkc.errors import InputError
 from mtkc.ir.compare import compare
 from mtkc.passes.kv_cache import export_names
 from mtkc.pipeline.oracle import NEW_TOKENS, Generation, Original, OriginalRun, compare_generation, prompts
-from mtkc.runtime.generate import Generator
+from mtkc.runtime.generate import Generator, host_table
 from mtkc.runtime.graphs import guarded, load_session, run_partitions, run_session
 from mtkc.runtime.sessions import Sessions
 
+COMPARE_BLOCK = 1 << 20  # elements per float64 block in `compare`
 DYNAMIC_SEQ = 8  # tokens per sample when the compiled graph leaves the sequence length open
 
 
@@ -142,11 +143,9 @@ class Host:
     mask_value: float = contract_mask.DEFAULT_VALUE
 
     @classmethod
-    def from_manifest(cls, manifest: dict, out: Path) -> "Host":
-        tables = {}
-        for name, entry in (manifest.get("host") or {}).items():
-            tables[name] = load_table(confined(out, entry["path"], f"host table '{name}'"))
-        return cls(tables.get("embedding"), tables.get("rope"), contract_mask.value_of(manifest.get("options")))
+    def from_manifest(cls, manifest: dict, out: Path) -> Host:
+        return cls(host_table(out, manifest, "embedding"), host_table(out, manifest, "rope"),
+                   contract_mask.value_of(manifest.get("options")))
 
 
 def build_feeds(original_inputs, compiled_inputs: list[dict], vocab: int, seed: int,

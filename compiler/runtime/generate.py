@@ -136,10 +136,10 @@ class Generator:
         self.cache_shapes, self.cache_len, self.cache_io = {}, 0, layouts.DEFAULT_LAYOUT
 
     def _host(self, manifest: dict, name: str, why: str) -> np.ndarray:
-        entry = (manifest.get("host") or {}).get(name)
-        if not entry:
+        table = host_table(self.root, manifest, name)
+        if table is None:
             raise InputError(f"{self.root}/manifest.json: {why} but the manifest names no host table '{name}'")
-        return load_table(confined(self.root, entry["path"], f"host table '{name}'"))
+        return table
 
     # ------------------------------------------------------------------ generation
 
@@ -265,6 +265,15 @@ def _vocab(embedding: np.ndarray | None, stage: Stage) -> int:
     logits = next((o for o in stage.session.get_outputs() if o.name == "logits"), None)
     last = logits.shape[-1] if logits is not None and logits.shape else None
     return int(last) if isinstance(last, int) and last > 0 else 2**31 - 1
+
+
+def host_table(root: Path, manifest: dict, name: str) -> np.ndarray | None:
+    """A table of the manifest's `host` (memory-mapped, never unpickled), None when the manifest
+    lists no `name`; its path confined to OUT."""
+    entry = (manifest.get("host") or {}).get(name)
+    if not entry:
+        return None
+    return load_table(confined(root, entry["path"], f"host table '{name}'"))
 
 
 def host_tables(passes, read_values) -> dict[str, np.ndarray | Callable[[], np.ndarray]]:
