@@ -29,6 +29,7 @@ from mtkc.backend.partition import (
     unmatched,
 )
 from mtkc.errors import PassError
+from mtkc.target.onnx_opset import NPU_OPSET, import_domains
 
 log = logging.getLogger("mtkc")
 
@@ -118,8 +119,9 @@ def cut(graph: gs.Graph, parts: list[Partition], placements: dict[str, Placement
             inputs=inputs,
             outputs=outputs,
             name=f"{graph_name}_{part.id}",
-            opset=graph.opset,
-            import_domains=graph.import_domains,
+            opset=min(graph.opset, NPU_OPSET) if part.target == NPU else graph.opset,  # NPU nodes have opset-17 forms
+            import_domains=import_domains(graph.import_domains, min(graph.opset, NPU_OPSET))
+            if part.target == NPU and graph.import_domains else graph.import_domains,
             producer_name="mtkc",
         )
         entry = {

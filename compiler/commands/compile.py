@@ -70,7 +70,21 @@ def run(args) -> int:
         args.output, ", ".join(g["path"] for g in result.manifest["graphs"]), len(graph.nodes),
         len(result.records), sum(r.rewrites for r in result.records),
     )
+    for line in cpu_summary(result.variants):
+        log.info("%s", line)
     return 0
+
+
+def cpu_summary(variants) -> list[str]:
+    """One line per (op, reason) of the nodes left on the CPU, over every graph, for the terminal."""
+    counts: dict[tuple[str, str], list] = {}
+    for v in variants:
+        ops = {n.name: n.op for n in v.graph.nodes}
+        for name, p in (v.split.placements.items() if v.split is not None else ()):
+            if p.target != "npu" and name in ops:
+                entry = counts.setdefault((ops[name], p.reason), [0, p.detail])
+                entry[0] += 1
+    return [f"mtkc: CPU: {op} x{n} ({reason}: {detail})" for (op, reason), (n, detail) in sorted(counts.items())]
 
 
 def _llm_options(args) -> dict:

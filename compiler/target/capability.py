@@ -43,6 +43,7 @@ import onnx_graphsurgeon as gs
 import tomllib
 
 from mtkc.errors import InputError
+from mtkc.target.onnx_opset import NPU_OPSET, no_opset17_form
 
 log = logging.getLogger("mtkc")
 
@@ -58,6 +59,7 @@ REASONS = (
     "input-not-constant",
     "attribute-unsupported",
     "broadcast-unsupported",
+    "no-opset17-form",
 )
 OP_REASONS = ("unknown-domain", "op-not-in-table", "op-unsupported")
 DTYPES = (
@@ -511,6 +513,9 @@ class Table:
             failure = check(node, c, opset, read_values)
             if failure:
                 return failure
+        newer = no_opset17_form(node)  # what the table accepts must still be writable at opset 17
+        if newer:
+            return "no-opset17-form", f"{newer}; NPU partitions are opset {NPU_OPSET}", None
         return None
 
 
