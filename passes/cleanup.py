@@ -25,8 +25,8 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from mtkc.ir import graph_utils as gu
-from mtkc.ir.toposort import toposort
 from mtkc.ir.constants import elements, ints, is_lazy, values
+from mtkc.ir.toposort import toposort
 from mtkc.rewrite.pass_api import Context, Pass, PassResult, register
 
 MAX_SWEEPS = 10

@@ -23,7 +23,6 @@ ConstantOfShape, Range, ...), graph outputs, random ops, ops outside the ONNX do
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 
 from mtkc.ir import execute, shapes

@@ -27,9 +27,9 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from mtkc.ir import graph_utils as gu
+from mtkc.ir import shapes
 from mtkc.ir.constants import values
 from mtkc.rewrite.builder import Emit
-from mtkc.ir import shapes
 from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 
 I32 = np.iinfo(np.int32)

@@ -18,21 +18,16 @@ shape, an op that has no opset-17 form (RMSNormalization, RotaryEmbedding, Atten
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 
 from mtkc.ir import graph_utils as gu
 from mtkc.ir.constants import ints
+from mtkc.ir.opset import NEW_AFTER_17, NPU_OPSET, import_domains
 from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 
-TARGET = 17
+TARGET = NPU_OPSET
 REDUCE_18 = {"ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
              "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare"}
-# ONNX-domain ops introduced after opset 17 (no opset-17 form without a decomposition)
-NEW_AFTER_17 = {"Col2Im", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot", "CenterCropPad", "GroupNormalization",
-                "Mish", "OptionalGetElement", "DeformConv", "AffineGrid", "Gelu", "ImageDecoder", "RegexFullMatch",
-                "StringConcat", "StringSplit", "RMSNormalization", "RotaryEmbedding", "Attention", "TensorScatter",
-                "Swish", "BitCast", "CumProd"}
 
 
 @register
@@ -70,8 +65,7 @@ def _set_opset(graph: gs.Graph) -> None:
     """New opset ids, not edited in place: they are the parsed file's, which other graphs share."""
     graph.opset = TARGET
     if graph.import_domains:
-        graph.import_domains = [onnx.helper.make_opsetid(o.domain, TARGET if o.domain in ("", "ai.onnx") else o.version)
-                                for o in graph.import_domains]
+        graph.import_domains = import_domains(graph.import_domains)
 
 
 def _lower(graph: gs.Graph, node: gs.Node, ctx: Context, names: gu.Names):

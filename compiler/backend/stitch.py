@@ -30,6 +30,7 @@ from mtkc.backend.partition import (
 )
 from mtkc.errors import PassError
 from mtkc.ir.graph_utils import Names
+from mtkc.ir.opset import NPU_OPSET, import_domains
 
 log = logging.getLogger("mtkc")
 
@@ -135,8 +136,9 @@ def cut(graph: gs.Graph, parts: list[Partition], placements: dict[str, Placement
             inputs=inputs,
             outputs=outputs,
             name=f"{graph_name}_{part.id}",
-            opset=graph.opset,
-            import_domains=graph.import_domains,
+            opset=min(graph.opset, NPU_OPSET) if part.target == NPU else graph.opset,  # NPU nodes have opset-17 forms
+            import_domains=import_domains(graph.import_domains, min(graph.opset, NPU_OPSET))
+            if part.target == NPU and graph.import_domains else graph.import_domains,
             producer_name="mtkc",
             functions=used_functions(graph, part.nodes),
         )

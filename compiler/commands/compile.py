@@ -58,9 +58,24 @@ def run(args) -> int:
         len(result.records), sum(r.rewrites for r in result.records),
     )
     converter = result.manifest.get("converter") or {}
+    for line in cpu_summary(result.variants):
+        log.info("%s", line)
     if not converter.get("ran"):
         log.warning("mtkc: no converter ran (%s)", converter.get("reason") or "see report.md")
     return 0
+
+
+def cpu_summary(variants) -> list[str]:
+    """One line per (op, reason) of the nodes left on the CPU, over every graph, for the terminal."""
+    counts: dict[tuple[str, str], list] = {}
+    for v in variants:
+        ops = {n.name: n.op for n in v.graph.nodes}
+        for name, p in (v.split.placements.items() if v.split is not None else ()):
+            if p.target != "npu" and name in ops:
+                entry = counts.setdefault((ops[name], p.reason), [0, p.detail])
+                entry[0] += 1
+    return [f"mtkc: CPU: {escape(op)} x{n} ({reason}: {escape(str(detail))})"
+            for (op, reason), (n, detail) in sorted(counts.items())]
 
 
 def explain(result, name: str) -> str:

@@ -50,7 +50,6 @@ from mtkc.runtime.generate import Generator, host_table
 from mtkc.runtime.graphs import guarded, load_session, run_partitions, run_session
 from mtkc.runtime.sessions import Sessions
 
-COMPARE_BLOCK = 1 << 20  # elements per float64 block in `compare`
 DYNAMIC_SEQ = 8  # tokens per sample when the compiled graph leaves the sequence length open
 
 

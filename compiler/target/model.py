@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc.ir.opset import NPU_OPSET, no_opset17_form
 from mtkc.target.predicates import CHECKS, DEFAULT_DOMAIN
 from mtkc.target.remedies import remedy_text
 
@@ -29,6 +30,7 @@ REASONS = (
     "input-not-constant",
     "attribute-unsupported",
     "broadcast-unsupported",
+    "no-opset17-form",
 )
 OP_REASONS = ("unknown-domain", "op-not-in-table", "op-unsupported")
 DTYPES = (
@@ -192,4 +194,7 @@ class Table:
             failure = check(node, c, opset, read_values)
             if failure:
                 return failure
+        newer = no_opset17_form(node)  # what the table accepts must still be writable at opset 17
+        if newer:
+            return "no-opset17-form", f"{newer}; NPU partitions are opset {NPU_OPSET}", None
         return None
