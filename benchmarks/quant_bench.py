@@ -6,7 +6,7 @@ Steps (each its own child process, wall and peak RSS measured by `bench.measure`
   compile   the 0.5B-dimension export (legacy17 + KV cache; `bench.ensure_export`), T=128, C=512
   calibrate N seeded prompts of 8..300 token ids, K greedy decode steps each; disk of OUT/calibration
   verify    --quant A16W8 / A16W4, without and with --keep-fp of the layers the first run names
-Writes benchmarks/quant_results.json. Random weights are not trained weights: the cosines say how
+Writes benchmarks/quant_results-L<layers>.json. Random weights are not trained weights: the cosines say how
 the simulation behaves at this size, not how a real Qwen2.5 quantises.
 """
 
@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calibration-samples", type=int, default=16, help="samples per partition the simulation calibrates on")
     p.add_argument("--eval-prompts", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--schemes", default="A16W8,A16W4", help="schemes to simulate ('' = calibrate only)")
+    p.add_argument("--timeout", type=float, default=7200, help="seconds per step")
     p.add_argument("--limit-gb", type=float, default=14)
     p.add_argument("--work", type=Path, default=HERE / "cache" / "quant")
     args = p.parse_args(argv)
@@ -54,11 +56,11 @@ def main(argv: list[str] | None = None) -> int:
                                        "-o", str(out), "--no-convert", "--overwrite"], limit)}
     prompts = prompts_file(args.work / "prompts.jsonl", args.prompts)
     rows["calibrate"] = measure(mtkc + ["calibrate", str(out), "--prompts", str(prompts), "--decode-steps",
-                                        str(args.decode_steps)], limit, timeout=7200)
+                                        str(args.decode_steps)], limit, timeout=args.timeout)
     rows["calibrate"]["disk_bytes"] = disk(out / "calibration")
     rows["calibrate"]["samples"] = json.loads((out / "manifest.json").read_text())["calibration"]["samples"]
     results = {}
-    for scheme in ("A16W8", "A16W4"):
+    for scheme in [x for x in args.schemes.split(",") if x]:
         for keep in (None, "named"):
             json_out = args.work / f"{scheme}-{keep or 'plain'}.json"
             cmd = mtkc + ["verify", str(out), "--quant", scheme, "--samples", str(args.eval_prompts), "--new-tokens",
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 cmd += ["--keep-fp", named.split()[-1]]
             with open(json_out, "w") as sink:
-                row = measure(cmd, limit, timeout=7200, stdout=sink)
+                row = measure(cmd, limit, timeout=args.timeout, stdout=sink)
             data = json.loads(json_out.read_text()) if json_out.stat().st_size else {}
             row.update({k: data.get(k) for k in ("suggest", "weak_layers", "keep_fp", "ok")})
             row["outputs"] = {f"{o['graph']}/{o['output']}": round(o["cosine"], 6) for o in data.get("outputs", [])
@@ -79,8 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             results[f"{scheme} {'plain' if not keep else 'keep-fp'}"] = row
     rows["verify"] = results
     report = {"note": "random weights (factory seed 0), not trained Qwen2.5 weights", "layers": args.layers,
+              "calibration_samples": args.calibration_samples, "eval_prompts": args.eval_prompts,
+              "new_tokens": args.new_tokens,
               "prompts": args.prompts, "decode_steps": args.decode_steps, "rows": rows, "machine": machine()}
-    (HERE / "quant_results.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    (HERE / f"quant_results-L{args.layers}.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     print(json.dumps(report, indent=2, sort_keys=True))
     return 0
 
