@@ -48,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     level = logging.DEBUG if verbosity > 0 else logging.WARNING if verbosity < 0 else logging.INFO
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(EscapingFormatter("%(message)s"))  # names from the model: one line, no escapes
-    logging.basicConfig(level=level, handlers=[handler])
-    log.setLevel(level)  # also when a host (pytest, an embedding app) configured logging first
+    log.handlers[:] = [handler]  # mtkc's messages go here whatever logging a host (pytest, an app) set up
+    log.propagate = False
+    log.setLevel(level)
     interrupts_unwind()  # SIGTERM/Ctrl-C: staging removed, converters killed
     try:
         return args.func(args)

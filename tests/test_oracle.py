@@ -120,9 +120,9 @@ def test_nothing_compared_is_never_ok(qwen_cache, tmp_path, run_cli):
     manifest["graphs"] = []
     (out / "manifest.json").write_text(json.dumps(manifest))
     code, stdout, stderr = run_cli("verify", out, "--samples", "1")
-    assert code == 1 and "nothing was compared" in stderr
-    assert stdout.rstrip().splitlines()[-1].startswith("NOTHING COMPARED")
-    assert not V.Result([], [], 1, 1e-3, 1e-3, 0.999).ok
+    assert code == 2 and "graphs" in stderr  # a manifest that lists no graph is not mtkc's: refused up front
+    nothing = V.Result([], [], 1, 1e-3, 1e-3, 0.999)
+    assert not nothing.ok and V.format_text(nothing).splitlines()[-1].startswith("NOTHING COMPARED")
 
 
 @pytest.mark.parametrize("family, exporter, cache, options", [

@@ -72,7 +72,7 @@ def test_builtins_are_discovered_in_module_order():
     builtins = builtin_passes()
     assert {"fold", "rmsnorm", "rope", "swiglu"} <= set(builtins)
     assert all(cls.origin == "built-in" for cls in builtins.values())
-    modules = [cls.__module__ for cls in builtins.values()]
+    modules = [".".join(cls.__module__.split(".")[:3]) for cls in builtins.values()]  # a subpackage counts once
     assert modules == sorted(modules)
 
 

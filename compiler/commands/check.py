@@ -65,7 +65,7 @@ def render(report: CheckReport) -> str:
     for key, why in report.picked.items():
         lines.append(f"compile     picks {key}={why}")
     for item in report.on_cpu[:EXAMPLES * 3]:
-        lines.append(f"on CPU      {item['graph']}: {item['node']} ({item['reason']})")
+        lines.append(f"on CPU      {escape(item['graph'])}: {escape(item['node'])} ({escape(item['reason'])})")
     if len(report.on_cpu) > EXAMPLES * 3:
         lines.append(f"on CPU      ... {len(report.on_cpu) - EXAMPLES * 3} more (--format json lists all)")
     for key, better in report.suggested.items():

@@ -18,6 +18,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from mtkc.backend.outdir import check_graph_file
+
 NO_PREPACKING = "session.disable_prepacking"
 
 
@@ -45,7 +47,7 @@ class Sessions:
         # pairs into integer kernels, which a reference for NPU graphs must not do
         options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_BASIC if self.optimize
                                             else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
-        proto = onnx.load(str(path), load_external_data=False)
+        proto = check_graph_file(path)  # external data inside OUT and within its files, before onnxruntime reads it
         for tensor in proto.graph.initializer:
             view = self._view(tensor, path.parent)
             if view is not None:
