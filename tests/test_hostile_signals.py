@@ -1,0 +1,95 @@
+"""Hostile cases that need a real process: Ctrl-C into a plugin stuck in a loop, SIGTERM while
+the converter runs. Exit 130, nothing left behind (no OUT, no staging, no converter process)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from hostile_kit import save, tiny, with_cpu_node
+
+
+def _start(args, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "mtkc", *map(str, args)], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(path: Path, timeout: float = 60) -> None:
+    end = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < end, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+LOOPS = {
+    "busy-loop": "while True:\n    pass\n",
+    "swallows-keyboard-interrupt": "while True:\n    try:\n        time.sleep(0.01)\n    except BaseException:\n        pass\n",
+}
+
+
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_ctrl_c_stops_a_plugin_stuck_in_a_loop(tmp_path, loop):
+    """A second Ctrl-C ends even a plugin that swallows the first one."""
+    plugin = tmp_path / "stuck.py"
+    plugin.write_text(textwrap.dedent("""\
+        import pathlib, time
+        from mtkc.rewrite.pass_api import Pass, PassResult, register
+
+        @register
+        class Stuck(Pass):
+            name = "stuck"
+            description = "never returns"
+
+            def run(self, graph, ctx):
+                pathlib.Path("started").touch()
+        """) + textwrap.indent(LOOPS[loop], " " * 8))
+    model = save(tiny(), tmp_path / "m.onnx")
+    proc = _start(["compile", model, "--sdk", "8.0", "-o", tmp_path / "out", "--plugin", plugin], tmp_path)
+    _wait_for(tmp_path / "started")
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(3)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "mtkc: interrupted", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "started", "stuck.py"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_conversion_kills_the_converter_and_cleans_the_staging(tmp_path, sig):
+    converter = tmp_path / "conv.py"
+    converter.write_text(textwrap.dedent("""\
+        import os, pathlib, sys, time
+        pathlib.Path(os.environ["PIDFILE"]).write_text(str(os.getpid()))
+        time.sleep(120)
+        """))
+    model = save(with_cpu_node("hm"), tmp_path / "m.onnx")
+    pidfile = tmp_path / "converter.pid"
+    env = {**os.environ, "PIDFILE": str(pidfile)}
+    proc = subprocess.Popen([sys.executable, "-m", "mtkc", "compile", str(model), "--sdk", "8.0", "-o", str(tmp_path / "out"),
+                             "--converter-cmd", f"{sys.executable} {converter} {{input}} {{output}}"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(pidfile)
+    time.sleep(0.2)
+    converter_pid = int(pidfile.read_text())
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "mtkc: interrupted" in err, err
+    time.sleep(0.2)
+    assert not _alive(converter_pid)  # no orphaned converter
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["conv.py", "converter.pid", "m.onnx"]  # no OUT, no staging
