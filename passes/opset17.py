@@ -21,8 +21,8 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.ir import graph_utils as gu
-from mtkc.target.onnx_opset import NEW_AFTER_17, NPU_OPSET, import_domains
 from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
+from mtkc.target.onnx_opset import NEW_AFTER_17, NPU_OPSET, import_domains
 
 TARGET = NPU_OPSET
 REDUCE_18 = {"ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",

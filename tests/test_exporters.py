@@ -97,8 +97,8 @@ def reference(exported, tiny_model, tmp_path_factory):
 @pytest.mark.parametrize("exporter,family", CASES)
 def test_generate_equals_the_exporters_reference(exporter, family, sdk, compiled, reference):
     generator = Generator(compiled(exporter, family, sdk))
-    for prompt in PROMPTS:
-        tokens = generator.generate(PROMPTS[prompt], NEW)
+    for prompt, ids in PROMPTS.items():
+        tokens = generator.generate(ids, NEW)
         assert tokens == reference(exporter, family, prompt), f"{exporter} {family} SDK {sdk}, {prompt} prompt"
         assert len(set(tokens)) > NEW // 2
 

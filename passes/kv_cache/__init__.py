@@ -20,9 +20,8 @@ from mtkc.passes.kv_cache.chunks import LayerChunks, layer_boundaries
 from mtkc.passes.kv_cache.detect import KINDS, LayerCache, cache_concat, find_caches, layer_caches
 from mtkc.passes.kv_cache.insert import NEW_TOKEN_MASK, insert_cache
 from mtkc.passes.kv_cache.io import KvCacheIo, contract_order
-from mtkc.passes.kv_cache.plan import (CACHE_IO, DEFAULT_CACHE_LEN, DEFAULT_SEQ_LEN, Variant, chunk_ranges,
-                                       variants)
+from mtkc.passes.kv_cache.plan import CACHE_IO, DEFAULT_CACHE_LEN, DEFAULT_SEQ_LEN, Variant, chunk_ranges, variants
 
 __all__ = ["CACHE_IO", "DEFAULT_CACHE_LEN", "DEFAULT_SEQ_LEN", "KINDS", "NEW_TOKEN_MASK", "KvCache", "KvCacheIo",
-           "LayerCache", "LayerChunks", "Variant", "cache_concat", "cache_head_dims", "export_names", "chunk_ranges", "contract_order", "find_caches",
-           "insert_cache", "layer_boundaries", "layer_caches", "variants"]
+           "LayerCache", "LayerChunks", "Variant", "cache_concat", "cache_head_dims", "chunk_ranges", "contract_order",
+           "export_names", "find_caches", "insert_cache", "layer_boundaries", "layer_caches", "variants"]

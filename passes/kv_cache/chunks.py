@@ -18,6 +18,7 @@ from mtkc.passes.kv_cache.io import contract_order
 from mtkc.passes.kv_cache.plan import chunk_ranges, kv_on
 from mtkc.rewrite.pass_api import Context, Pass, PassResult, register
 
+
 @register
 class LayerChunks(Pass):
     name = "layer-chunks"

@@ -16,6 +16,7 @@ from mtkc.passes.kv_cache.detect import KINDS, layer_caches
 from mtkc.passes.kv_cache.plan import cache_options, kv_on
 from mtkc.rewrite.pass_api import Context, NodeNames, Pass, PassResult, register
 
+
 @register
 class KvCacheIo(Pass):
     name = "kv-cache-io"
