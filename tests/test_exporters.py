@@ -171,3 +171,14 @@ def test_genai_passes_keep_the_numbers(exporter, exported, tmp_path):
 
     assert rewrites("gqa") == 4  # 2 layers, in prefill and decode
     assert rewrites("int4-weights") == (2 * 12 if exporter == "genai-int4" else 0)  # 11 MatMulNBits + embedding
+
+
+def test_generation_prefill_stage_gets_a_cache_and_a_mask(exported, reference, tmp_path):
+    """The prefill stage (no cache I/O, no mask input) with --kv-cache: the cache is inserted and
+    the shape-built causal mask becomes the additive input; tokens equal transformers'."""
+    out = tmp_path / "out"
+    compile_model(exported("qwen2", "hf-generate", cache=False), "8.0", out,
+                  {"seq_len": T, "cache_len": C, "kv_cache": True})
+    generator = Generator(out)
+    for prompt, ids in PROMPTS.items():
+        assert generator.generate(ids, NEW) == reference("hf-generate", "qwen2", prompt), prompt
