@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto, helper, numpy_helper

@@ -97,8 +97,8 @@ def reference(exported, tiny_model, tmp_path_factory):
 @pytest.mark.parametrize("exporter,family", CASES)
 def test_generate_equals_the_exporters_reference(exporter, family, sdk, compiled, reference):
     generator = Generator(compiled(exporter, family, sdk))
-    for prompt in PROMPTS:
-        tokens = generator.generate(PROMPTS[prompt], NEW)
+    for prompt, ids in PROMPTS.items():
+        tokens = generator.generate(ids, NEW)
         assert tokens == reference(exporter, family, prompt), f"{exporter} {family} SDK {sdk}, {prompt} prompt"
         assert len(set(tokens)) > NEW // 2
 
@@ -171,3 +171,14 @@ def test_genai_passes_keep_the_numbers(exporter, exported, tmp_path):
 
     assert rewrites("gqa") == 4  # 2 layers, in prefill and decode
     assert rewrites("int4-weights") == (2 * 12 if exporter == "genai-int4" else 0)  # 11 MatMulNBits + embedding
+
+
+def test_generation_prefill_stage_gets_a_cache_and_a_mask(exported, reference, tmp_path):
+    """The prefill stage (no cache I/O, no mask input) with --kv-cache: the cache is inserted and
+    the shape-built causal mask becomes the additive input; tokens equal transformers'."""
+    out = tmp_path / "out"
+    compile_model(exported("qwen2", "hf-generate", cache=False), "8.0", out,
+                  {"seq_len": T, "cache_len": C, "kv_cache": True})
+    generator = Generator(out)
+    for prompt, ids in PROMPTS.items():
+        assert generator.generate(ids, NEW) == reference("hf-generate", "qwen2", prompt), prompt

@@ -11,7 +11,7 @@ import onnx
 import pytest
 
 from mtkc import cli
-from mtkc.pipeline.compile import compile_model, default_output
+from mtkc.pipeline.compile import default_output
 
 
 def mtkc(capsys, *args) -> tuple[int, str, str]:

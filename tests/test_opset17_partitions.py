@@ -23,5 +23,5 @@ def test_gelu_from_an_opset20_model_runs_on_the_cpu_and_the_terminal_says_why(tm
         targets[path.name] = ([n.op_type for n in model.graph.node], [o.version for o in model.opset_import])
     assert targets == {"model.npu0.onnx": (["MatMul"], [17]), "model.cpu1.onnx": (["Gelu"], [20]),
                        "model.npu2.onnx": (["MatMul"], [17])}
-    code, out, err = run_cli("verify", tmp_path / "out", "--samples", "1")
+    code, _, err = run_cli("verify", tmp_path / "out", "--samples", "1")
     assert code == 0, err

@@ -15,8 +15,8 @@ from mtkc.errors import InputError, MismatchError, MtkcError, PassError
 from mtkc.ir import execute
 from mtkc.ir.model import load
 from mtkc.manager.pass_manager import Pipeline, builtin_passes, load_registry, resolve_pipeline, run_pipeline
-from mtkc.passes.pipelines import default_pipeline
 from mtkc.options import Layer, build
+from mtkc.passes.pipelines import default_pipeline
 from mtkc.pipeline.config import load_config
 from mtkc.rewrite.pass_api import Context, Pass, PassResult
 from mtkc.target.capability import load_table

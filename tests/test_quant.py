@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import json
 
-import numpy as np
 import pytest
 
 from mtkc.pipeline.calibrate import calibrate

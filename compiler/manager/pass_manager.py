@@ -109,7 +109,7 @@ def builtin_passes() -> dict[str, type[Pass]]:
     rank = {module: i for i, module in enumerate(modules)}
     top = lambda cls: ".".join(cls.__module__.split(".")[:3])  # noqa: E731 -- a subpackage's modules
     builtins = [(name, cls) for name, cls in REGISTRY.items() if top(cls) in rank]
-    return dict(sorted(builtins, key=lambda item: rank[top(item[1])]))
+    return dict(sorted(builtins, key=lambda item: (rank[top(item[1])], item[1].__module__)))
 
 
 @functools.cache

@@ -324,7 +324,11 @@ def _expected(manifest: dict, reference, samples: int, host: Host, aliases: dict
         for sample in range(samples):
             orig_feeds, feeds = build_feeds(reference.get_inputs(), list(host_inputs.values()), vocab, sample, host,
                                             aliases)
-            expected = run_session(reference, orig_feeds)
+            try:
+                expected = run_session(reference, orig_feeds)
+            except Exception as exc:  # the export itself does not run: bad input, not a mismatch
+                first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+                raise InputError(f"{source}: the original model does not run in onnxruntime: {first}") from None
             expected.update({aliases[k]: v for k, v in list(expected.items()) if k in aliases})
             yield chain, feeds, expected
 

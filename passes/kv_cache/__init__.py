@@ -23,5 +23,5 @@ from mtkc.passes.kv_cache.io import KvCacheIo, contract_order
 from mtkc.passes.kv_cache.plan import CACHE_IO, DEFAULT_CACHE_LEN, DEFAULT_SEQ_LEN, Variant, chunk_ranges, variants
 
 __all__ = ["CACHE_IO", "DEFAULT_CACHE_LEN", "DEFAULT_SEQ_LEN", "KINDS", "NEW_TOKEN_MASK", "KvCache", "KvCacheIo",
-           "LayerCache", "LayerChunks", "Variant", "cache_concat", "cache_head_dims", "export_names", "chunk_ranges", "contract_order", "find_caches",
-           "insert_cache", "layer_boundaries", "layer_caches", "variants"]
+           "LayerCache", "LayerChunks", "Variant", "cache_concat", "cache_head_dims", "chunk_ranges", "contract_order",
+           "export_names", "find_caches", "insert_cache", "layer_boundaries", "layer_caches", "variants"]

@@ -157,9 +157,7 @@ def _kv_entry(tensor: gs.Tensor) -> gs.Variable:
         node = tensor.inputs[0] if tensor.inputs else None
         if node is None or (node.op == "Transpose" and list(node.attrs.get("perm", [])) == [0, 2, 1, 3]):
             return tensor
-        if node.op in _LAYOUT:
-            tensor = node.inputs[0]
-        elif node.op in ("Mul", "Div") and _scalar(node.inputs[1]):
+        if node.op in _LAYOUT or (node.op in ("Mul", "Div") and _scalar(node.inputs[1])):
             tensor = node.inputs[0]
         elif node.op == "Mul" and _scalar(node.inputs[0]):
             tensor = node.inputs[1]

@@ -9,6 +9,7 @@ max_positions (C + T for both, so RoPE tables are the same constant).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import onnx_graphsurgeon as gs
@@ -38,7 +39,7 @@ def chunk_ranges(layers: int, chunks: int) -> list[range]:
     bounds = [0]
     for k in range(chunks):
         bounds.append(bounds[-1] + per + (1 if k < extra else 0))
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    return [range(a, b) for a, b in itertools.pairwise(bounds)]
 
 
 def count_layers(graph: gs.Graph) -> int:
@@ -69,8 +70,8 @@ def variants(graph: gs.Graph, options: dict) -> list[Variant]:
     for variant, t in (("prefill", seq_len), ("decode", 1)):
         for k in range(chunks):
             name = variant if chunks == 1 else f"{variant}_{k}"
-            out.append(Variant(name, dict(kv_cache=True, variant=variant, seq_len=t, cache_len=cache_len,
-                                          cache_io=cache_io, chunks=chunks, chunk=k, max_positions=max_pos)))
+            out.append(Variant(name, {"kv_cache": True, "variant": variant, "seq_len": t, "cache_len": cache_len,
+                                      "cache_io": cache_io, "chunks": chunks, "chunk": k, "max_positions": max_pos}))
     return out
 
 
