@@ -4,6 +4,7 @@ compile's own run check) or 2 with one line; never a traceback, never exit 4."""
 
 from __future__ import annotations
 
+import signal
 import tempfile
 from pathlib import Path
 
@@ -87,6 +88,7 @@ KINDS = ["drop-node-input", "drop-node-output", "drop-node", "drop-initializer",
          "retype-graph-output", "retype-attribute", "add-attribute", "swap-op", "break-input-reference",
          "rename-initializer", "duplicate-output-name", "bend-input-shape", "bend-initializer-dims", "self-loop",
          "opset-version"]
+LIMIT = 120  # seconds per compile of a tiny model: a hang is a failure naming the mutations
 MUTATIONS = st.lists(st.tuples(st.sampled_from(KINDS), st.integers(0, 7), st.integers(0, 99)), min_size=1, max_size=3)
 
 
@@ -101,14 +103,23 @@ def _compile_mutated(seed: int, mutations) -> None:
             path.write_bytes(model.SerializeToString())
         except Exception:  # protobuf itself refuses to serialise it: nothing to feed mtkc
             return
-        r = run_cli(["compile", path, "--sdk", "8.0", "-o", Path(tmp) / "out", "--no-convert"])
+        def too_slow(signum, frame):
+            raise AssertionError(f"compile of a mutated model took over {LIMIT} s: {mutations}")
+
+        previous = signal.signal(signal.SIGALRM, too_slow)
+        signal.alarm(LIMIT)
+        try:
+            r = run_cli(["compile", path, "--sdk", "8.0", "-o", Path(tmp) / "out", "--no-convert"])
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
         assert r.code in (0, 2), (mutations, r.err)
         assert_contract(r, r.code)
         if r.code == 2:
             assert not (Path(tmp) / "out").exists()
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.integers(0, len(SEEDS) - 1), MUTATIONS)
 def test_mutated_models_exit_0_or_2(seed, mutations):
     _compile_mutated(seed, mutations)
