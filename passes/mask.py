@@ -5,7 +5,8 @@ Gather or GatherND / Expand) and add it to the scores per layer as Where(mask, 0
 or Mul(Cast(Not(mask)), finfo.min). MDLA has none of that (bool, int64, Range, GatherND), and
 -inf / finfo.min break fp16 and int16 quantisation. MediaTek's runtime builds the mask on the host.
 
-Matched (anchor: each Softmax):
+Matched (rule FromInput, anchor: each Softmax; `start` finds M's tensors, the guards and what else
+reads the 2-D input, `rewrite` swaps M for the new input in place, `finish` drops the guards and input):
 
     scores ─┐
     M ──────┴─ Add ─ Softmax          M derived from the 2-D attention_mask input
@@ -29,11 +30,13 @@ import onnx_graphsurgeon as gs
 from mtkc.contract import io
 from mtkc.contract import mask as contract_mask
 from mtkc.ir.constants import values as small_values
-from mtkc.ir.graph_utils import cleanup, replace_uses
+from mtkc.ir.graph_utils import cleanup
 from mtkc.ir.toposort import toposort
 from mtkc.rewrite.builder import Emit
 from mtkc.rewrite.guards import drop, row_guards
-from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
+from mtkc.rewrite.pass_api import Context, Miss, PassResult, register
+from mtkc.rewrite.pattern import Match, Refused
+from mtkc.rewrite.rules import Rule, RulePass, apply
 
 NAME = io.ATTENTION_MASK
 
@@ -61,49 +64,19 @@ def _downstream(tensors: list[gs.Tensor]) -> set[int]:
 
 
 @register
-class Mask(Pass):
+class Mask(RulePass):
     name = "mask"
     description = "causal/padding mask construction -> one additive float attention_mask [1,1,T,C+T] input"
 
     def __init__(self):
         self.value = contract_mask.DEFAULT_VALUE
         self.replaced: str | None = None  # the removed 2-D input's name (map_feeds reads it)
+        self.rules = (FromInput(self),)
 
     def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
-        result = PassResult()
-        old = _mask_input(graph)
-        if old is None:  # nothing to replace (already an additive input, or no mask at all)
-            result.notes.append("no 2-D integer attention_mask input")
-            return result
-        derived = _downstream([old]) - _downstream([t for t in graph.inputs if t is not old])
-        sites = []  # (Add or Where feeding a Softmax, index of its mask input)
-        for node in graph.nodes:
-            if node.op == "Softmax":
-                site = _site(node, derived, old.name)
-                (sites.append(site) if isinstance(site, tuple) else result.misses.append(site))
-        if not sites:
-            return result
-        guards = list({id(n): (n, d) for n, d in row_guards(graph) + _guards(graph, derived)}.values())
-        readers = _readers_left(graph, old, sites, guards)
-        shapes = _shape_source(graph) if all(r.op == "Shape" for r in readers) else None
-        if readers and shapes is None:
-            result.misses.append(Miss(readers[0].name, f"'{old.name}' would still be read by {len(readers)} node(s) "
-                                                        "(bind shapes and fold first)"))
-            return result
-        for reader in readers:  # no cache: the mask is [batch, seq], like input_ids
-            reader.inputs[0] = shapes
-        self.value = contract_mask.value_of(ctx.options)
-        self.replaced = old.name
-        new = self._input(graph, ctx, old)
-        _rewire(graph, sites, new)
-        result.rewrites = len(sites) + drop(graph, guards) + len(readers)
-        toposort(cleanup(graph))
-        graph.inputs = [t for t in graph.inputs if t is not old]
-        return result
-
-    def _input(self, graph: gs.Graph, ctx: Context, old: gs.Variable) -> gs.Variable:
-        old.name = f"{old.name}.2d"  # the new input takes the name; the old one leaves the graph
-        return _additive_input(graph, ctx, old.shape[1] if _has_cache(graph) else None)
+        if _mask_input(graph) is None:  # nothing to replace (already an additive input, or no mask at all)
+            return PassResult(notes=["no 2-D integer attention_mask input"])
+        return super().run(graph, ctx)
 
     def map_feeds(self, feeds: dict, ctx: Context) -> dict:
         """The additive mask equivalent to the 2-D mask (batch 1): key j visible to query i iff
@@ -116,6 +89,102 @@ class Mask(Pass):
         seq = int(ctx.options.seq_len or _feed_seq(feeds) or total)
         feeds[NAME] = contract_mask.additive(seq, total, self.value, keep)[None, None]
         return feeds
+
+
+class Site(Rule):
+    """Each Softmax whose scores get the mask M (`derive` says which tensors are M's): its Add
+    operand M becomes the new input in place, Where(cond, scores, -big) becomes Add(scores, new)."""
+
+    anchor, sites = ("Softmax",), "mask"
+
+    def derive(self, graph: gs.Graph) -> tuple[set[int], str]:
+        """ids of the mask's tensors, and what they derive from (for the reasons)."""
+        raise NotImplementedError
+
+    def added(self, graph: gs.Graph, ctx: Context) -> gs.Variable:
+        """The new additive input (made at the first rewrite)."""
+        raise NotImplementedError
+
+    def start(self, graph: gs.Graph, ctx: Context) -> None:
+        derived, label = self.derive(graph)
+        self.found = {id(n): _site(n, derived, label) for n in graph.nodes if n.op == "Softmax"}
+        self.guards = list({id(n): (n, d) for n, d in row_guards(graph) + _guards(graph, derived)}.values())
+        self.new = None
+
+    def check(self, ctx: Context, m: Match) -> None:
+        site = self.found[id(m.anchor)]
+        if isinstance(site, Miss):
+            raise Refused(site.reason)
+
+    def prefix(self, m: Match) -> str:
+        return self.found[id(m.anchor)][0].name
+
+    def rewrite(self, op: Emit, ctx: Context, m: Match) -> list[tuple[gs.Tensor, gs.Tensor]]:
+        site, index = self.found[id(m.anchor)]
+        if self.new is None:
+            self.new = self.added(op.graph, ctx)
+        if site.op == "Add":
+            site.inputs[index] = self.new
+            return []
+        return [(site.outputs[0], op.Add(site.inputs[1], self.new))]
+
+    def finish(self, graph: gs.Graph, ctx: Context, result: PassResult) -> None:
+        """The guards go (a guard the rewrites left dead went with them, and still counts)."""
+        if self.new is not None:
+            result.rewrites += len(self.guards)
+            drop(graph, [(n, d) for n, d in self.guards if n.outputs])
+            toposort(cleanup(graph))
+
+
+class FromInput(Site):
+    """M derived from the 2-D integer mask input, which leaves the graph. Refused, untouched, when
+    something else still reads it (its Shape readers move to input_ids when there is no cache)."""
+
+    def __init__(self, owner: Mask):
+        self.owner = owner
+
+    def derive(self, graph):
+        self.old = _mask_input(graph)
+        others = [t for t in graph.inputs if t is not self.old]
+        return _downstream([self.old]) - _downstream(others), self.old.name
+
+    def start(self, graph, ctx):
+        super().start(graph, ctx)
+        sites = [s for s in self.found.values() if isinstance(s, tuple)]
+        self.readers = _readers_left(graph, self.old, sites, self.guards) if sites else []
+        self.shapes = _shape_source(graph) if all(r.op == "Shape" for r in self.readers) else None
+        self.blocked = bool(self.readers) and self.shapes is None
+
+    def candidate(self, node):
+        return not (self.blocked and isinstance(self.found.get(id(node)), tuple))
+
+    def added(self, graph, ctx):
+        for reader in self.readers:  # no cache: the mask is [batch, seq], like input_ids
+            reader.inputs[0] = self.shapes
+        self.owner.value = contract_mask.value_of(ctx.options)
+        self.owner.replaced = self.old.name
+        self.old.name = f"{self.old.name}.2d"  # the new input takes the name; the old one leaves the graph
+        return _additive_input(graph, ctx, self.old.shape[1] if _has_cache(graph) else None)
+
+    def finish(self, graph, ctx, result):
+        if self.blocked:
+            result.misses.append(Miss(self.readers[0].name, f"'{self.old.name}' would still be read by "
+                                                            f"{len(self.readers)} node(s) (bind shapes and fold first)"))
+        if self.new is not None:
+            result.rewrites += len(self.readers)
+            super().finish(graph, ctx, result)
+            graph.inputs = [t for t in graph.inputs if t is not self.old]
+
+
+class FromShapes(Site):
+    """M computed from shapes alone (no mask input reaches it)."""
+
+    def derive(self, graph):
+        varying = _downstream(list(graph.inputs))
+        return {id(t) for node in graph.nodes for t in node.outputs if id(t) not in varying}, "shapes"
+
+    def added(self, graph, ctx):
+        return _additive_input(graph, ctx, None)
 
 
 def _additive_input(graph: gs.Graph, ctx: Context, total) -> gs.Variable:
@@ -131,17 +200,6 @@ def _additive_input(graph: gs.Graph, ctx: Context, total) -> gs.Variable:
     new = gs.Variable(NAME, dtype=np.float32, shape=[1, 1, seq, total])
     graph.inputs.append(new)
     return new
-
-
-def _rewire(graph: gs.Graph, sites, new: gs.Variable) -> None:
-    """Each site adds `new` to the scores: its mask operand replaced, or Where(c, s, -big) -> Add(s, new)."""
-    for site, index in sites:
-        if site.op == "Add":
-            site.inputs[index] = new
-        else:
-            out = site.outputs[0]
-            added = Emit(graph, site.name).op("Add", [site.inputs[1], new], dtype=out.dtype, shape=out.shape)
-            replace_uses(graph, out, added)
 
 
 @dataclass
@@ -166,15 +224,10 @@ def implicit_mask(graph: gs.Graph, ctx: Context) -> ImplicitMask | None:
     Less(ReduceSum)): that mask becomes the standard additive input; None when there is none."""
     if _mask_input(graph) is not None or any(t.name == NAME for t in graph.inputs):
         return None
-    varying = _downstream(list(graph.inputs))
-    static = {id(t) for node in graph.nodes for t in node.outputs if id(t) not in varying}
-    sites = [s for s in (_site(n, static, "shapes") for n in graph.nodes if n.op == "Softmax") if isinstance(s, tuple)]
-    if not sites:
+    rule = FromShapes()
+    apply(rule, graph, ctx, PassResult())
+    if rule.new is None:
         return None
-    guards = list({id(n): (n, d) for n, d in row_guards(graph) + _guards(graph, static)}.values())
-    _rewire(graph, sites, _additive_input(graph, ctx, None))
-    drop(graph, guards)
-    toposort(cleanup(graph))
     return ImplicitMask(NAME, contract_mask.value_of(ctx.options))
 
 

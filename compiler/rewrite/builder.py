@@ -92,6 +92,6 @@ class Emit(Builder):
 
     def op(self, op_type: str, inputs: list, attrs: dict | None = None, domain: str = "", dtype=None,
            shape=None, outputs: int = 1):
-        """`make` with the inputs as a list (kept for passes/mask.py until it is ported)."""
+        """`make` with the inputs as a list (kept for passes/gqa.py and passes/int4.py until they are ported)."""
         return self.make(op_type, *inputs, _domain=domain, _dtype=dtype, _shape=shape, _outputs=outputs,
                          **(attrs or {}))
