@@ -48,9 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     level = logging.DEBUG if verbosity > 0 else logging.WARNING if verbosity < 0 else logging.INFO
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(EscapingFormatter("%(message)s"))  # names from the model: one line, no escapes
-    log.handlers[:] = [handler]  # mtkc's messages go here whatever logging a host (pytest, an app) set up
-    log.propagate = False
-    log.setLevel(level)
+    log.handlers[:] = [handler]  # mtkc's messages go here whatever logging a host (pytest, an app) set up;
+    log.setLevel(level)  # they still propagate to the host's handlers (capture), none of which print
     interrupts_unwind()  # SIGTERM/Ctrl-C: staging removed, converters killed
     try:
         return args.func(args)
