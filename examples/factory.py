@@ -40,6 +40,9 @@ Exporters (`export(model, out_dir, exporter, cache)`), as they behave with torch
   ``kv_cache_dim``), (Skip)SimplifiedLayerNormalization; int4: MatMulNBits (block 32) and
   GatherBlockQuantized. Always with cache I/O; ``genai_config.json`` beside the model (for
   ``og.Generator``). Needs the ``onnxruntime-genai`` package.
+* ``optimum``: Hugging Face Optimum's ``optimum-cli export onnx --task text-generation[-with-past]``
+  (TorchScript, opset 18; optimum's I/O names, as the wrapper's) in a side venv with transformers 4.57
+  (``optimum_export.py``: optimum-onnx pins transformers < 4.58), created once under ``venvs``.
 * ``ortopt``: a ``legacy17`` export run through ``onnxruntime.transformers.optimizer``
   (model_type ``qwen3``, the closest; it fuses RMSNorm into (Skip)SimplifiedLayerNormalization only;
   needs ~6x the weights in RAM for real sizes).
@@ -66,7 +69,7 @@ from pathlib import Path
 FAMILIES = ("qwen2", "llama")
 SIZES = ("tiny", "0.5b", "1.5b")
 EXPORTERS = ("legacy14", "legacy17", "dynamo", "hf", "hf-ortfused", "dynamo-ortfused", "ortopt", "hf-generate",
-             "dynamo-cacheobj", "genai-fp32", "genai-int4")
+             "dynamo-cacheobj", "genai-fp32", "genai-int4", "optimum")
 TRACE_BATCH, TRACE_SEQ, TRACE_PAST = 2, 7, 5
 
 _DIMS = {  # hidden, layers, heads, kv heads, intermediate, vocab
@@ -225,10 +228,12 @@ def wrap(model, cache: bool):
     return _wrappers()[1 if cache else 0](model)
 
 
-def export(model, out_dir, exporter: str = "legacy17", cache: bool = False, attn: str | None = None) -> Path:
+def export(model, out_dir, exporter: str = "legacy17", cache: bool = False, attn: str | None = None,
+           venvs=None) -> Path:
     """Export `model` into `out_dir` (created); returns the path of `model.onnx`.
 
     `attn` ("sdpa" | "eager") switches the model's attention implementation first; None keeps it.
+    `venvs`: where side environments (optimum's) are created once; default ~/.cache/mtkc/venvs.
     """
     if exporter not in EXPORTERS:
         raise ValueError(f"unknown exporter {exporter!r}; expected one of {EXPORTERS}")
@@ -241,7 +246,12 @@ def export(model, out_dir, exporter: str = "legacy17", cache: bool = False, attn
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # tracer warnings from transformers internals; expected
         try:
-            _export(model, out_dir, path, exporter, cache)
+            if exporter == "optimum":
+                import optimum_export
+
+                optimum_export.export(model, out_dir, cache, venvs or Path.home() / ".cache" / "mtkc" / "venvs")
+            else:
+                _export(model, out_dir, path, exporter, cache)
         finally:
             model.set_attn_implementation(previous)
     return path

@@ -1,9 +1,10 @@
 """Shared fixtures: random-weight tiny models, their exports (cached on disk), and a CLI runner.
 
-Exports are cached under the pytest cache dir, keyed by a hash of the factory source and the
-torch/transformers/onnxscript/onnxruntime versions, so repeated sessions reuse them. Each variant is
-exported once: a per-variant file lock serialises concurrent test processes, and the export is
-written to a temporary folder and renamed into place, so a reader never sees half a model.
+Exports are cached under the pytest cache dir (side venvs, optimum's, in its `venvs/`), keyed by a
+hash of the factory sources and the torch/transformers/onnxscript/onnxruntime versions, so repeated
+sessions reuse them. Each variant is exported once: a per-variant file lock serialises concurrent test
+processes, and the export is written to a temporary folder and renamed into place, so a reader never
+sees half a model.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ SEED = 0
 def _export_root(config) -> Path:
     import factory
 
-    source = hashlib.sha256(Path(factory.__file__).read_bytes()).hexdigest()[:12]
+    examples = Path(factory.__file__).parent
+    source = hashlib.sha256(b"".join((examples / f).read_bytes() for f in ("factory.py", "optimum_export.py")))
+    source = source.hexdigest()[:12]
     versions = "-".join(metadata.version(p) for p in ("torch", "transformers", "onnxscript", "onnxruntime"))
     key = f"{source}-{versions}".replace("+", "_")
     shared = os.environ.get("MTKC_EXPORT_CACHE")  # several checkouts may share one export cache
@@ -68,7 +71,7 @@ def exported(request, tiny_model):
                 if not (final / "model.onnx").exists():
                     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
                     try:
-                        factory.export(tiny_model(family, attn), tmp, exporter, cache)
+                        factory.export(tiny_model(family, attn), tmp, exporter, cache, venvs=root.parent / "venvs")
                         tmp.rename(final)
                     finally:
                         shutil.rmtree(tmp, ignore_errors=True)
