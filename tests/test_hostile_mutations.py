@@ -51,13 +51,13 @@ def _mutate(model: onnx.ModelProto, kind: str, pick: int, value: int) -> None:
         del g.output[pick % len(g.output)]
     elif kind == "drop-opset":
         del model.opset_import[:]
-    elif kind == "drop-elem-type":
+    elif kind == "drop-elem-type" and g.input:
         g.input[0].type.tensor_type.ClearField("elem_type")
     elif kind == "retype-initializer" and g.initializer:
         g.initializer[pick % len(g.initializer)].data_type = DTYPES[value % len(DTYPES)]
-    elif kind == "retype-graph-input":
+    elif kind == "retype-graph-input" and g.input:
         g.input[0].type.tensor_type.elem_type = DTYPES[value % len(DTYPES)]
-    elif kind == "retype-graph-output":
+    elif kind == "retype-graph-output" and g.output:
         g.output[0].type.tensor_type.elem_type = DTYPES[value % len(DTYPES)]
     elif kind == "retype-attribute" and node.attribute:
         node.attribute[pick % len(node.attribute)].type = ATTR_TYPES[value % len(ATTR_TYPES)]
@@ -69,17 +69,17 @@ def _mutate(model: onnx.ModelProto, kind: str, pick: int, value: int) -> None:
         node.input[pick % len(node.input)] = f"nowhere_{value}"
     elif kind == "rename-initializer" and g.initializer:
         g.initializer[pick % len(g.initializer)].name = f"renamed_{value}"
-    elif kind == "duplicate-output-name" and len(nodes) > 1:
+    elif kind == "duplicate-output-name" and len(nodes) > 1 and node.output and nodes[(pick + 1) % len(nodes)].output:
         nodes[(pick + 1) % len(nodes)].output[0] = node.output[0]
-    elif kind == "bend-input-shape":
+    elif kind == "bend-input-shape" and g.input and g.input[0].type.tensor_type.shape.dim:
         dims = g.input[0].type.tensor_type.shape.dim
         dims[pick % len(dims)].dim_value = [0, -1, 2**40, 3, 1][value % 5]
     elif kind == "bend-initializer-dims" and g.initializer:
         t = g.initializer[pick % len(g.initializer)]
         t.dims[:] = [[], [0], [-3], [2, 2], [2**31]][value % 5]
-    elif kind == "self-loop":
+    elif kind == "self-loop" and node.output:
         node.input.append(node.output[0])
-    elif kind == "opset-version":
+    elif kind == "opset-version" and model.opset_import:
         model.opset_import[0].version = [1, 6, 7, 13, 18, 21, 10**6][value % 7]
 
 
@@ -119,7 +119,6 @@ def _compile_mutated(seed: int, mutations) -> None:
             assert not (Path(tmp) / "out").exists()
 
 
-@pytest.mark.slow  # too slow on the shared 2-core box to finish in CI time; see the report
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.integers(0, len(SEEDS) - 1), MUTATIONS)
 def test_mutated_models_exit_0_or_2(seed, mutations):
