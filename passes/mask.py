@@ -188,7 +188,15 @@ class FromShapes(Site):
 
 
 def _additive_input(graph: gs.Graph, ctx: Context, total) -> gs.Variable:
-    """The new `attention_mask` float input [1, 1, T, C+T] (symbols where not bound yet)."""
+    """The new `attention_mask` float input (see `additive_shape`)."""
+    new = gs.Variable(NAME, dtype=np.float32, shape=additive_shape(graph, ctx, total))
+    graph.inputs.append(new)
+    return new
+
+
+def additive_shape(graph: gs.Graph, ctx: Context, total=None) -> list:
+    """[1, 1, T, C+T] (symbols where not bound yet): the additive mask input's shape; `total`,
+    the key length when it is known and no cache length is set."""
     seq = ctx.options.seq_len or _seq_dim(graph)
     # --cache-len is moot for a model without a cache, unless kv-cache is about to insert one
     cached = _has_cache(graph) or ctx.options.kv_cache
@@ -197,9 +205,7 @@ def _additive_input(graph: gs.Graph, ctx: Context, total) -> gs.Variable:
         total = int(seq) + int(cache) if isinstance(seq, int) or str(seq).isdigit() else f"{cache}+{seq}"
     elif total is None:
         total = "total_sequence_length" if _has_cache(graph) else seq
-    new = gs.Variable(NAME, dtype=np.float32, shape=[1, 1, seq, total])
-    graph.inputs.append(new)
-    return new
+    return [1, 1, seq, total]
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 DEFAULT = [
     "gqa",  # before kv-cache: the op's past/present become Concat(past, new, axis=2) like any export
+    "mask-early",  # after gqa (its cache is then a Concat): a no-cache export's mask, while it still holds
     "kv-cache",  # first: finds/inserts the cache while shapes are still computed by Shape ops
     "bind-shapes",
     "contrib-ops",  # before fold: a constant operand's Transpose is folded (or kept, per fold's policy)

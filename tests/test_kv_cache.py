@@ -97,6 +97,27 @@ def test_kv_cache_names_the_fused_op_of_a_packed_kv_entry(exported, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("exporter", ["legacy17", "dynamo", "hf"])
+def test_mask_early_replaces_a_no_cache_exports_mask_before_the_cache_goes_in(exported, exporter, tmp_path):
+    """--verify-each: the graph after mask-early ([1,1,T,T] additive mask) and after kv-cache (the
+    mask widened to [1,1,T,C+T], empty cache slots masked) each compute the export's logits."""
+    result = compile_model(exported("qwen2", exporter, cache=False), "8.0", tmp_path / "out",
+                           {"seq_len": T, "cache_len": C, "kv_cache": True, "verify_each": True})
+    names = [r.name for r in result.records]
+    assert names.index("mask-early") < names.index("kv-cache")
+    assert all(r.rewrites > 0 for r in result.records if r.name == "mask-early")  # prefill and decode
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    shapes = {g["name"]: {x["name"]: x["shape"] for x in g["inputs"]} for g in manifest["graphs"]}
+    assert shapes["prefill"]["attention_mask"] == [1, 1, T, C + T] and shapes["decode"]["attention_mask"] == [1, 1, 1, C + 1]
+
+
+def test_kv_cache_without_mask_early_names_the_missing_pass(exported, tmp_path):
+    with pytest.raises(InputError, match="needs the mask-early pass before kv-cache .* add mask-early to --passes$"):
+        compile_model(exported("qwen2", "legacy17", cache=False), "8.0", tmp_path / "out",
+                      {"seq_len": T, "cache_len": C, "kv_cache": True, "passes": ["kv-cache", "bind-shapes"]})
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.fixture(scope="module")
 def hf_new(exported, tmp_path_factory):
     """An hf (transformers OnnxExporter) cache export compiled with new-entry presents, 1 chunk."""

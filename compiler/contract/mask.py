@@ -45,3 +45,9 @@ def attention_mask(seq: int, cache: int, value: float = DEFAULT_VALUE, cached=No
     slots = np.zeros(cache, bool) if cached is None else np.asarray(cached, bool)
     rows = np.ones(seq, bool) if new is None else np.asarray(new, bool)
     return additive(seq, cache + seq, value, np.concatenate([slots, rows]), dtype)[None, None]
+
+
+def with_empty_cache(mask: np.ndarray, cache: int, value: float = DEFAULT_VALUE) -> np.ndarray:
+    """[..., T, T] mask of T new tokens -> [..., T, C+T]: the C cache slots first, all empty (masked)."""
+    mask = np.asarray(mask)
+    return np.concatenate([np.full(mask.shape[:-1] + (cache,), value, mask.dtype), mask], axis=-1)

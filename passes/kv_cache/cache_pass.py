@@ -18,12 +18,14 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc.contract import io
 from mtkc.contract import mask as contract_mask
+from mtkc.errors import InputError
 from mtkc.passes.gqa import cache_inputs
 from mtkc.passes.kv_cache.detect import KINDS, LayerCache, find_caches
-from mtkc.passes.kv_cache.insert import NEW_TOKEN_MASK, insert_cache, mask_first, probe_shapes
+from mtkc.passes.kv_cache.insert import insert_cache, probe_shapes
 from mtkc.passes.kv_cache.plan import DEFAULT_CACHE_LEN, kv_on
-from mtkc.passes.mask import implicit_mask
+from mtkc.passes.mask import additive_shape, implicit_mask
 from mtkc.rewrite.pass_api import Context, Pass, PassResult, register
 
 
@@ -47,19 +49,20 @@ class KvCache(Pass):
             if self.implicit is not None:
                 notes.append(f"no mask input: the mask built from shapes alone became input '{self.implicit.name}'")
         else:
-            old_mask = next((t.name for t in graph.inputs if t.name == "attention_mask"), None)
-            notes += mask_first(graph, ctx)
+            _require_mask_early(graph)
             layers = insert_cache(graph, ctx.root)
             notes.append(f"no cache I/O in the export: inserted past concat in {len(layers)} attention layers")
             self.inserted = {l.past[k].name: [l.past[k].shape[1], l.past[k].shape[3]] for l in layers for k in KINDS}
-            self.old_mask = old_mask
+            for t in graph.inputs:  # mask-early's [1,1,T,T]: the cache slots come first
+                if t.name == io.ATTENTION_MASK:
+                    t.shape = additive_shape(graph, ctx)
         self.renames = _name_io(graph, layers)
         rewrites = len(self.renames) + (self.implicit is not None) if not self.inserted else len(layers)
         return PassResult(rewrites=rewrites, notes=notes)
 
     def map_feeds(self, feeds, ctx):
-        """Renamed cache inputs; a no-cache export gets an empty cache (all slots masked),
-        positions 0..T-1 and the additive mask of its 2-D mask."""
+        """Renamed cache inputs; a no-cache export gets an empty cache (all slots masked in
+        mask-early's additive mask) and positions 0..T-1."""
         feeds = {self.renames.get(k, k): v for k, v in feeds.items()}
         if self.implicit is not None:
             feeds = self.implicit.map_feeds(feeds, ctx)
@@ -67,11 +70,9 @@ class KvCache(Pass):
             return feeds
         ids = next(v for k, v in feeds.items() if k in ("input_ids", "hidden_states"))
         t, c = ids.shape[1], ctx.options.cache_len or DEFAULT_CACHE_LEN
-        keep = np.asarray(feeds.pop(self.old_mask))[0].astype(bool) if self.old_mask in feeds else np.ones(t, bool)
-        feeds["attention_mask"] = contract_mask.attention_mask(t, c, contract_mask.value_of(ctx.options), new=keep)
+        if io.ATTENTION_MASK in feeds:
+            feeds[io.ATTENTION_MASK] = contract_mask.with_empty_cache(feeds[io.ATTENTION_MASK], c, contract_mask.value_of(ctx.options))
         feeds["position_ids"] = np.arange(t, dtype=np.int64)[None]
-        if self.old_mask is not None:
-            feeds[NEW_TOKEN_MASK] = keep.astype(np.int64)[None]
         for name, (hkv, d) in self.inserted.items():
             feeds[name] = np.zeros((1, hkv, c, d), np.float32)
         return feeds
@@ -152,3 +153,11 @@ def export_names(graph: gs.Graph) -> dict[str, str]:
     if layers and rest and "logits" not in rest:
         names[rest[0]] = "logits"
     return names
+
+
+def _require_mask_early(graph: gs.Graph) -> None:
+    """The [B,1,T,T] mask construction breaks once the cache is spliced in: `mask-early` must have
+    replaced it (it leaves no 2-D `attention_mask` input)."""
+    if any(t.name == io.ATTENTION_MASK and t.shape is not None and len(t.shape) == 2 for t in graph.inputs):
+        raise InputError("kv-cache: an export without cache I/O needs the mask-early pass before kv-cache "
+                         "(its 2-D attention_mask is still an input): add mask-early to --passes")

@@ -1,6 +1,6 @@
 """Inserting a KV cache into an export without cache I/O (no-cache exports, `--kv-cache`).
 
-The mask pass runs first (its additive [1,1,T,C+T] mask replaces the [B,1,T,T] construction),
+`mask-early` has run (its additive [1,1,T,T] mask replaced the [B,1,T,T] construction),
 K and V are cut where they enter attention (after RoPE, before repeat_kv),
 `Concat(past, new, axis=2)` is inserted, the repeat_kv/Kᵀ shape targets are made length-free,
 and RoPE reads a new `position_ids` input. Refuses (InputError) a model with no Softmax attention
@@ -17,33 +17,11 @@ from mtkc.ir import shapes
 from mtkc.ir.constants import values as values_of
 from mtkc.ir.graph_utils import Names as NodeNames
 from mtkc.passes.kv_cache.detect import ATTENTION_OPS, KINDS, LayerCache
-from mtkc.passes.mask import Mask, implicit_mask
-from mtkc.rewrite.pass_api import Context
 
-# A no-cache export's 2-D mask, kept where exporters read the sequence length from its shape
-# (dynamo, hf); renamed so that shape binding keeps it [1, T] (it is not the [1, C+T] mask).
-NEW_TOKEN_MASK = "new_token_mask"
 PROBE_SEQ = 97  # a sequence length no model dimension is likely to equal
 _LAYOUT = {"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Identity", "Cast", "Tile"}
 _SCORE_PATH = {"Add", "Where", "Mul", "Div", "Cast", "Sub"}
 _PROB_PATH = {"Cast", "Where", "IsNaN", "Identity"}
-
-
-def mask_first(graph: gs.Graph, ctx: Context) -> list[str]:
-    """No-cache export: the mask pass runs now, while the mask is still [B,1,T,T]-consistent.
-
-    Its additive `attention_mask` input is [1,1,T,C+T] from the start; the 2-D mask, when the
-    export still reads its length as the sequence length, becomes `new_token_mask` [1, T].
-    """
-
-    result = Mask().run(graph, ctx)
-    implicit_mask(graph, ctx)  # an export with no mask input: its shape-built mask becomes the input
-    ids = next((t for t in graph.inputs if t.name in ("input_ids", "hidden_states")), None)
-    for t in graph.inputs:
-        if t.name.startswith("attention_mask") and t.shape is not None and len(t.shape) == 2:
-            t.name = NEW_TOKEN_MASK
-            t.shape = [1, ids.shape[1] if ids is not None and ids.shape else "sequence_length"]
-    return [f"mask: {m.node}: {m.reason}" for m in result.misses]
 
 
 def insert_cache(graph: gs.Graph, root=None) -> list[LayerCache]:
