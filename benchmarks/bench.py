@@ -7,6 +7,7 @@ ratios and writes JSON. See benchmarks/README.md.
 
     python benchmarks/bench.py                      # 0.5b and 1.5b, scaling at 12/24/48 layers
     python benchmarks/bench.py --sizes 0.5b --layers ""  --skip "ort optimizer"
+    python benchmarks/bench.py --sizes "" --layers "" --inline 2   # inline vs external data only
 """
 
 from __future__ import annotations
@@ -142,6 +143,22 @@ if len(os.listdir(os.path.dirname(path))) == 1:
 """
 
 
+def ensure_inline(cache: Path, layers: int) -> Path:
+    """The same export with every weight inline in one .onnx (it must stay under 2 GB)."""
+    external = ensure_export(cache, "0.5b", layers)
+    out = cache / f"qwen2-0.5b-L{layers}-kv-inline"
+    if not (out / "model.onnx").exists():
+        tmp = Path(f"{out}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        subprocess.run([sys.executable, "-c", _INLINE, str(external), str(tmp / "model.onnx")], check=True)
+        os.replace(tmp, out)
+    return out / "model.onnx"
+
+
+_INLINE = "import onnx, sys; onnx.save(onnx.load(sys.argv[1]), sys.argv[2])"
+
+
 def weight_files(model: Path) -> list[Path]:
     return sorted(p for p in model.parent.iterdir() if p.is_file() and p.name != model.name)
 
@@ -198,6 +215,17 @@ def run_scaling(cache: Path, layer_counts: list[int], limit_mb: float) -> dict:
     return rows
 
 
+def run_inline(cache: Path, layers: int, limit_mb: float) -> dict:
+    """mtkc check and compile of one export in its external-data and its inline form."""
+    rows = {}
+    for form, model in (("external", ensure_export(cache, "0.5b", layers)), ("inline", ensure_inline(cache, layers))):
+        for tool in (CHECK, COMPILE):
+            with tempfile.TemporaryDirectory(dir=cache, prefix=".bench-") as tmp:
+                print(f"[inline L{layers}] {tool} ({form}) ...", file=sys.stderr)
+                rows[f"{tool} ({form})"] = measure(tools(model, Path(tmp), "0.5b")[tool], limit_mb)
+    return rows
+
+
 # ----------------------------------------------------------------------------- reporting
 
 
@@ -244,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="0.5b,1.5b", help="comma-separated: 0.5b, 1.5b")
     parser.add_argument("--layers", default="12,24,48", help="layer counts for the compile scaling run (0.5b dims); '' skips")
+    parser.add_argument("--inline", default="", help="layer count of a 0.5b-dims export measured inline vs external; '' skips")
     parser.add_argument("--cache", type=Path, default=HERE / "cache", help="exports and scratch space (gitignored)")
     parser.add_argument("--out", type=Path, default=HERE / "results.json")
     parser.add_argument("--skip", default="", help=f"comma-separated tool names to skip, of: {', '.join(tools(Path('m'), Path('w'), '0.5b'))}")
@@ -275,6 +304,12 @@ def main(argv: list[str] | None = None) -> int:
             ratio = round(s["48"]["wall_s"] / s["24"]["wall_s"], 2)
             results["scaling_48_over_24"] = {"value": ratio, "met": ratio <= 2.2}
             print(f"- target 48 vs 24 layers <= 2.2x: {ratio}x -> {'met' if ratio <= 2.2 else 'NOT met'}")
+    if args.inline.strip():
+        layers = int(args.inline)
+        results["inline"] = rows = run_inline(args.cache, layers, limit)
+        print(f"\n### inline vs external data (0.5b dims, {layers} layers)\n\n| tool | wall s | peak RSS MB | exit |\n|---|---|---|---|")
+        for name, r in rows.items():
+            print(f"| {name} | {r['wall_s']:.1f} | {r['peak_rss_mb']:.0f} | {r['exit']} |")
     results["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     args.out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
     print(f"\nwrote {args.out}", file=sys.stderr)

@@ -577,7 +577,7 @@ def test_fresh_is_the_graph_as_loaded_after_passes_edited_the_first(tmp_path):
     proto.opset_import[0].ClearField("domain")  # as the torch exporter writes it: no domain field at all
     path.write_bytes(proto.SerializeToString())
     model = mmodel.load(path)
-    before = gs.export_onnx(gs.import_onnx(onnx.load(path))).SerializeToString(deterministic=True)
+    before = gs.export_onnx(mmodel.load(path).graph).SerializeToString(deterministic=True)
     assert gs.export_onnx(model.graph).SerializeToString(deterministic=True) == before
     model.graph.tensors()["W"].name = "W_renamed"
     model.graph.import_domains[0].version = 13
@@ -588,29 +588,38 @@ def test_fresh_is_the_graph_as_loaded_after_passes_edited_the_first(tmp_path):
     np.testing.assert_array_equal(fresh.values(fresh.graph.tensors()["W"]), W)
 
 
-def test_raw_data_lengths_come_from_the_wire_format(tmp_path, monkeypatch):
-    from mtkc.ir import model_checks
+def test_inline_weights_stay_in_the_file(tmp_path):
+    """A big inline initializer is parsed as a reference into the .onnx itself: the parsed proto
+    holds no weight byte, the values read back are the file's."""
+    from mtkc.ir import wire
 
     path = _inline_matmul(tmp_path)
-    assert model_checks.raw_sizes(path) == [W.nbytes]
-    seen = []
-    check_inline = model_checks._check_inline
-    monkeypatch.setattr(model_checks, "_check_inline", lambda t, n=None: seen.append((t.name, n)) or check_inline(t, n))
-    mmodel.load(path)  # small file: protobuf's len(raw_data)
-    monkeypatch.setattr(model_checks, "SCAN_BYTES", 0)
-    mmodel.load(path)  # big file: the scanned length
-    assert seen == [("W", None), ("W", W.nbytes)]
-    bad = _inline_matmul(tmp_path / "bad", b"\0" * 12)
-    assert model_checks.raw_sizes(bad) == [12]
-    assert "tensor 'W': has 12 bytes of raw_data, its shape needs 8192" in load_error(bad)
+    model = mmodel.load(path)
+    stored = model.proto.graph.initializer[0]
+    assert stored.data_location == onnx.TensorProto.EXTERNAL and not stored.HasField("raw_data")
+    info = {e.key: e.value for e in stored.external_data}
+    assert info["location"] == "model.onnx" and int(info["length"]) == W.nbytes
+    assert path.read_bytes()[int(info["offset"]):][:W.nbytes] == W.tobytes()
+    assert model.proto.ByteSize() < W.nbytes
+    np.testing.assert_array_equal(model.values(model.graph.tensors()["W"]), W)
+    small = matmul_model(tmp_path / "small", onnx.numpy_helper.from_array(W[:4].copy(), "W"))  # 512 bytes
+    assert wire.parse(small).graph.initializer[0].HasField("raw_data")  # under MIN_BYTES: inline
     text = tmp_path / "model.txtpb"
-    text.write_bytes(bad.read_bytes())
-    assert model_checks.raw_sizes(text) is None  # onnx reads that suffix as text format
+    text.write_bytes(path.read_bytes())
+    assert wire.parse(text) is None  # onnx reads that suffix as text format
 
 
-def test_raw_data_scan_of_a_truncated_file_gives_up(tmp_path):
-    from mtkc.ir import model_checks
+@pytest.mark.parametrize("raw", [b"\0" * 12, b"\0" * 4096])
+def test_inline_raw_data_of_the_wrong_length_is_refused(raw, tmp_path):
+    """Small or big, a raw_data that does not fit the shape stays inline and is refused as such."""
+    bad = _inline_matmul(tmp_path, raw)
+    assert f"tensor 'W': has {len(raw)} bytes of raw_data, its shape needs 8192" in load_error(bad)
+
+
+def test_a_truncated_file_is_not_onnx(tmp_path):
+    from mtkc.ir import wire
 
     path = _inline_matmul(tmp_path)
     path.write_bytes(path.read_bytes()[:-40])
-    assert model_checks.raw_sizes(path) is None
+    assert wire.parse(path) is None
+    assert "not a readable ONNX model" in load_error(path)

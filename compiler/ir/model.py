@@ -1,6 +1,6 @@
 """Model I/O: load an ONNX model with weights lazy on disk, read one weight on demand.
 
-Weights are never read at load: graphsurgeon keeps every initializer (and every tensor
+Weights are never read at load (inline ones included, `read_proto`): graphsurgeon keeps every initializer (and every tensor
 attribute, e.g. of `Constant` nodes) as `LazyValues` over the original TensorProto. Every
 external-data reference is validated at load, before any pass runs (`mtkc.ir.model_checks`), so a
 hostile model cannot make mtkc open a file outside its folder. Saving lives in `mtkc.ir.weights`.
@@ -9,6 +9,7 @@ hostile model cannot make mtkc open a file outside its folder. Saving lives in `
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import onnx.numpy_helper
 import onnx_graphsurgeon as gs
 
 from mtkc.errors import InputError
+from mtkc.ir import wire
 from mtkc.ir.model_checks import (
     ExternalDataError,
     allowed_trees,
@@ -88,10 +90,7 @@ def load(path: str | os.PathLike) -> Model:
             f"{path}: {size} bytes is over the 2 GiB protobuf limit; re-export with external data "
             "(torch.onnx.export(..., external_data=True))"
         )
-    try:
-        proto = onnx.load(str(path), load_external_data=False)
-    except Exception as exc:  # DecodeError, RecursionError, ValueError...: all mean "not ONNX"
-        raise InputError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {_first_line(exc)})") from None
+    proto = read_proto(path)
     if not proto.HasField("graph") or not proto.graph.output or proto.ir_version <= 0:
         raise InputError(f"{path}: not an ONNX model (no graph outputs or no ir_version; truncated?)")
     root = path.parent.resolve()
@@ -99,6 +98,20 @@ def load(path: str | os.PathLike) -> Model:
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
     names = [(t, t.name) for t, _, _ in stored_tensors(proto)]
     return Model(_import(proto, path, root), path, root, opset, size, proto, names)
+
+
+def read_proto(path: Path) -> onnx.ModelProto:
+    """The model's proto, weights unread: big inline initializers become references into the file
+    itself (`mtkc.ir.wire`) when the file is a plain one in its folder (a symlink or hard link
+    could not be named from there); external data stays external. InputError when it is not ONNX."""
+    st = path.lstat()
+    lazy = wire.parse(path) if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else None
+    if lazy is not None:
+        return lazy
+    try:
+        return onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # DecodeError, RecursionError, ValueError...: all mean "not ONNX"
+        raise InputError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {_first_line(exc)})") from None
 
 
 def _import(proto: onnx.ModelProto, path: Path, root: Path) -> gs.Graph:

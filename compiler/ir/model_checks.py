@@ -25,10 +25,8 @@ as optimum writes it - in the main graph, all subgraphs and local functions):
     explicit length equals the tensor's size. No byte of the file is read.
 Each distinct location is resolved once, so this is linear in the number of tensors.
 
-Inline data: `raw_data` length (or the typed field's element count) matches the shape. protobuf
-copies `raw_data` on every access, so for a big file the lengths of the main graph's
-initializers are read from the file's wire format instead (`raw_sizes`, headers only, no data
-byte touched); any other tensor, a text-format file, or a length that disagrees uses `len()`.
+Inline data: `raw_data` length (or the typed field's element count) matches the shape. (A big
+inline initializer arrives here as an external reference into the model file: `mtkc.ir.wire`.)
 
 ONNX validity (`check_onnx`): onnx.checker on a weight-stripped copy of the proto (no weight byte
 read or copied): duplicate initializer names, missing or mistyped attributes, a Cast without
@@ -45,7 +43,6 @@ variables counted as inputs of their node); graph outputs are produced.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import re
 import stat
@@ -90,17 +87,13 @@ _TYPED_FIELD = {  # data_type -> (typed field, values per element) when raw_data
 }
 
 
-SCAN_BYTES = 64 << 20  # files at least this big: raw_data lengths from the wire format
 
 
 def validate_proto(proto: onnx.ModelProto, path: Path, root: Path) -> None:
     """Raise InputError on the first hostile or broken reference or structure in `proto`."""
     files: dict[str, tuple[str, int]] = {}  # location -> (real path, size), resolved once
-    initializers = list(proto.graph.initializer)  # alive, so protobuf hands out these same objects
-    sizes = raw_sizes(path) if path.stat().st_size >= SCAN_BYTES else None
-    known = {id(t): n for t, n in zip(initializers, sizes)} if sizes and len(sizes) == len(initializers) else {}
     for tensor, where, sparse in stored_tensors(proto):
-        _check_tensor(tensor, where, sparse, path, root, files, known.get(id(tensor)))
+        _check_tensor(tensor, where, sparse, path, root, files)
     _check_graph(proto.graph, path, [], depth=0)
     check_onnx(proto, path)
 
@@ -213,66 +206,6 @@ def _copy_fields(src, dst, skip: set[str]) -> None:
                 getattr(dst, fd.name).CopyFrom(getattr(src, fd.name))
         elif src.HasField(fd.name):
             setattr(dst, fd.name, getattr(src, fd.name))
-
-
-def raw_sizes(path: Path) -> list[int | None] | None:
-    """`raw_data` length (None: absent) of each initializer of the main graph of a binary ONNX
-    file, from its protobuf wire format; None when the file is not one the scan understands."""
-    if onnx.serialization.registry.get_format_from_file_extension(path.suffix) not in (None, "protobuf"):
-        return None
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            sizes: list[int | None] = []
-            for field, start, end in _fields(buf, 0, len(buf)):
-                if field == _GRAPH_FIELD:
-                    for gfield, tstart, tend in _fields(buf, start, end):
-                        if gfield == _INITIALIZER_FIELD:
-                            raw = [e - s for f, s, e in _fields(buf, tstart, tend) if f == _RAW_DATA_FIELD]
-                            sizes.append(raw[-1] if raw else None)  # the last occurrence wins
-            return sizes
-    except (OSError, ValueError, IndexError):  # IndexError: a varint runs past the end
-        return None
-
-
-_GRAPH_FIELD = onnx.ModelProto.DESCRIPTOR.fields_by_name["graph"].number
-_INITIALIZER_FIELD = onnx.GraphProto.DESCRIPTOR.fields_by_name["initializer"].number
-_RAW_DATA_FIELD = onnx.TensorProto.DESCRIPTOR.fields_by_name["raw_data"].number
-
-
-def _fields(buf, pos: int, end: int):
-    """(field number, start, end) of each length-delimited field in buf[pos:end]; others skipped."""
-    while pos < end:
-        key, pos = _varint(buf, pos)
-        wire = key & 7
-        if wire == 0:
-            _, pos = _varint(buf, pos)
-        elif wire == 1:
-            pos += 8
-        elif wire == 5:
-            pos += 4
-        elif wire == 2:
-            n, pos = _varint(buf, pos)
-            if pos + n > end:
-                raise ValueError("truncated field")
-            yield key >> 3, pos, pos + n
-            pos += n
-        else:
-            raise ValueError(f"wire type {wire}")
-    if pos != end:
-        raise ValueError("truncated message")
-
-
-def _varint(buf, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if shift > 63:
-            raise ValueError("varint too long")
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
 
 
 # ---------------------------------------------------------------------------- external data
@@ -405,8 +338,7 @@ def external_fields(tensor: onnx.TensorProto, warn: bool = False) -> tuple[str, 
     return info.get("location", ""), numbers["offset"] or 0, numbers["length"]
 
 
-def _check_tensor(tensor: onnx.TensorProto, where: str, sparse: bool, path: Path, root: Path, files: dict,
-                  raw_size: int | None = None) -> None:
+def _check_tensor(tensor: onnx.TensorProto, where: str, sparse: bool, path: Path, root: Path, files: dict) -> None:
     try:
         if sparse and tensor.data_location == onnx.TensorProto.EXTERNAL:
             raise ExternalDataError("external data in sparse tensors is not supported")
@@ -415,7 +347,7 @@ def _check_tensor(tensor: onnx.TensorProto, where: str, sparse: bool, path: Path
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             _check_external(tensor, root, files)
         else:
-            _check_inline(tensor, raw_size)
+            _check_inline(tensor)
     except ExternalDataError as exc:
         raise InputError(f"{path}: {where}: {exc}") from None
 
@@ -437,11 +369,10 @@ def _check_external(tensor: onnx.TensorProto, root: Path, files: dict) -> None:
         )
 
 
-def _check_inline(tensor: onnx.TensorProto, raw_size: int | None = None) -> None:
-    """`raw_size`: the raw_data length read from the file, trusted only when it matches."""
+def _check_inline(tensor: onnx.TensorProto) -> None:
     if tensor.HasField("raw_data") and tensor.data_type != onnx.TensorProto.STRING:
         size = external_size(tensor)
-        if raw_size != size and len(tensor.raw_data) != size:
+        if len(tensor.raw_data) != size:
             raise ExternalDataError(f"has {len(tensor.raw_data)} bytes of raw_data, its shape needs {size}")
         return
     field, per = _TYPED_FIELD.get(tensor.data_type, (None, 0))

@@ -10,12 +10,13 @@ subgraphs, functions) goes to the shared file at an `align`-byte aligned offset;
 files only carry references, so no proto ever comes near the 2 GiB limit. Smaller constants stay
 inline (a small external constant of the source model is read and inlined).
 
-Dedup: a lazy constant still backed by the source model's external data is identified by its
-source (file identity, offset, length) and copied once, streamed in chunks; an inline source
-constant first by its TensorProto (the same object in every graph imported from one parsed file,
-`mtkc.ir.model.Model.fresh`), then, like an in-memory constant (folded, rewritten), by its bytes:
-length and a sample of head and tail pick the candidates, and only then are whole bytes hashed
-(SHA-256; the stored side is read back from the weights file), so unique weights are never hashed.
+Dedup: a lazy constant still backed by the source model's data (external, or inline left in the
+.onnx by `mtkc.ir.wire`) is identified first by its source (file identity, offset, length) and
+copied in-kernel; an inline source constant first by its TensorProto (the same object in every
+graph imported from one parsed file, `mtkc.ir.model.Model.fresh`). Then every constant (folded and
+rewritten ones too) by its bytes: length and a sample of head and tail pick the candidates, and
+only then are whole bytes hashed (SHA-256; the stored side is read back from the weights file,
+a source side from its file), so unique weights are never hashed.
 Output is deterministic: same graphs in the same order -> byte-identical files.
 
 Safety: the weights file is written to a temporary name in `out_dir` and moved into place by
@@ -177,18 +178,22 @@ class WeightWriter:
 
     def _offset_of(self, data: memoryview) -> int:
         """Offset of these bytes in the weights file, appending them unless stored already."""
-        n = data.nbytes
-        sample = (n, hashlib.sha256(data[:SAMPLE]).digest() + hashlib.sha256(data[-SAMPLE:]).digest())
-        pending = self._by_sample.get(sample)
+        return self._dedup(data.nbytes, lambda: _sample(data[:SAMPLE], data[-SAMPLE:]),
+                           lambda: hashlib.sha256(data).digest(), lambda: self._append(data))
+
+    def _dedup(self, n: int, sample, digest, append) -> int:
+        """Offset of `n` bytes (sampled, hashed and appended by the callables) in the weights file."""
+        key = (n, sample())
+        pending = self._by_sample.get(key)
         if pending is None:  # no stored tensor can be equal: store without hashing
-            self._by_sample[sample] = [self._append(data)]
-            return self._by_sample[sample][0]
+            self._by_sample[key] = [append()]
+            return self._by_sample[key][0]
         for start in pending:  # same length and sample: hash both sides from now on
-            self._by_digest.setdefault((self._digest_at(start, n), n), start)
+            self._by_digest.setdefault((self._digest_at(self._fd, start, n), n), start)
         pending.clear()
-        key = (hashlib.sha256(data).digest(), n)
+        key = (digest(), n)
         if key not in self._by_digest:
-            self._by_digest[key] = self._append(data)
+            self._by_digest[key] = append()
         return self._by_digest[key]
 
     def _append(self, data: memoryview) -> int:
@@ -197,12 +202,19 @@ class WeightWriter:
         self._end = start + data.nbytes
         return start
 
-    def _digest_at(self, start: int, nbytes: int) -> bytes:
-        """SHA-256 of `nbytes` already written at `start` (read back in chunks)."""
+    @staticmethod
+    def _digest_at(fd: int, start: int, nbytes: int) -> bytes:
+        """SHA-256 of `nbytes` of `fd` at `start` (read in chunks)."""
         digest = hashlib.sha256()
         for at in range(start, start + nbytes, CHUNK):
-            digest.update(os.pread(self._fd, min(CHUNK, start + nbytes - at), at))
+            digest.update(os.pread(fd, min(CHUNK, start + nbytes - at), at))
         return digest.digest()
+
+    def _copy(self, fd: int, offset: int, nbytes: int) -> int:
+        start = self._aligned_end()
+        _copy_range(fd, self._fd, offset, nbytes)
+        self._end = start + nbytes
+        return start
 
     def _from_source_file(self, proto: onnx.TensorProto, root: Path) -> onnx.TensorProto:
         location = external_info(proto).get("location", "")
@@ -221,10 +233,10 @@ class WeightWriter:
             key = (*source, offset, nbytes)
             if key not in self._by_source:
                 with open_external(root, location) as f:
-                    start = self._aligned_end()
-                    _copy_range(f.fileno(), self._fd, offset, nbytes)
-                self._by_source[key] = start
-                self._end = start + nbytes
+                    fd, edge = f.fileno(), min(SAMPLE, nbytes)
+                    self._by_source[key] = self._dedup(
+                        nbytes, lambda: _sample(os.pread(fd, edge, offset), os.pread(fd, edge, offset + nbytes - edge)),
+                        lambda: self._digest_at(fd, offset, nbytes), lambda: self._copy(fd, offset, nbytes))
         except (ExternalDataError, OSError) as exc:
             raise InputError(f"{root / location}: tensor '{proto.name}': {exc}") from None
         return _reference(proto.name, proto.data_type, list(proto.dims), self.filename, self._by_source[key], nbytes)
@@ -281,6 +293,10 @@ def _write_all(fd: int, data) -> None:
     view = memoryview(data).cast("B")
     while view:
         view = view[os.write(fd, view):]
+
+
+def _sample(head, tail) -> bytes:
+    return hashlib.sha256(head).digest() + hashlib.sha256(tail).digest()
 
 
 def _copy_range(src: int, dst: int, offset: int, nbytes: int) -> None:

@@ -33,7 +33,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 
 from mtkc.backend.manifest import sha256
@@ -44,6 +43,7 @@ from mtkc.contract.positions import rope_rows
 from mtkc.display import escape
 from mtkc.errors import InputError
 from mtkc.ir.compare import compare
+from mtkc.ir.model import read_proto
 from mtkc.passes.kv_cache import export_names
 from mtkc.pipeline.oracle import NEW_TOKENS, Generation, Original, OriginalRun, compare_generation, prompts
 from mtkc.runtime.generate import Generator, host_table
@@ -402,7 +402,7 @@ def format_text(result: Result) -> str:
 def _export_names(source: Path) -> dict[str, str]:
     """{export name: contract name} of the export's cache I/O and logits, found by structure."""
     try:
-        return export_names(gs.import_onnx(onnx.load(str(source), load_external_data=False)))
+        return export_names(gs.import_onnx(read_proto(Path(source))))
     except InputError:
         return {}
 
