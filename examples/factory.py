@@ -38,8 +38,11 @@ Exporters (`export(model, out_dir, exporter, cache)`), as they behave with torch
   com.microsoft GroupQueryAttention (``do_rotary=1``, cos/sin caches, seqlens_k and
   total_sequence_length from the 2-D mask, past/present consumed by the op; head dim
   ``kv_cache_dim``), (Skip)SimplifiedLayerNormalization; int4: MatMulNBits (block 32) and
-  GatherBlockQuantized. Always with cache I/O; ``genai_config.json`` beside the model (for
-  ``og.Generator``). Needs the ``onnxruntime-genai`` package.
+  GatherBlockQuantized, with the builder's CPU default ``accuracy_level=4`` (onnxruntime quantises
+  MatMulNBits' activations to int8 at run time). ``genai-int4-acc1``: the same weights with
+  ``--extra_options accuracy_level=1`` (fp32 activations: what an exact int4-weight reference
+  computes). Always with cache I/O; ``genai_config.json`` beside the model (for ``og.Generator``).
+  Needs the ``onnxruntime-genai`` package.
 * ``optimum``: Hugging Face Optimum's ``optimum-cli export onnx --task text-generation[-with-past]``
   (TorchScript, opset 18; optimum's I/O names, as the wrapper's) in a side venv with transformers 4.57
   (``optimum_export.py``: optimum-onnx pins transformers < 4.58), created once under ``venvs``.
@@ -69,7 +72,7 @@ from pathlib import Path
 FAMILIES = ("qwen2", "llama")
 SIZES = ("tiny", "0.5b", "1.5b")
 EXPORTERS = ("legacy14", "legacy17", "dynamo", "hf", "hf-ortfused", "dynamo-ortfused", "ortopt", "hf-generate",
-             "dynamo-cacheobj", "genai-fp32", "genai-int4", "optimum")
+             "dynamo-cacheobj", "genai-fp32", "genai-int4", "genai-int4-acc1", "optimum")
 TRACE_BATCH, TRACE_SEQ, TRACE_PAST = 2, 7, 5
 
 _DIMS = {  # hidden, layers, heads, kv heads, intermediate, vocab
@@ -271,7 +274,8 @@ def _export(model, out_dir: Path, path: Path, exporter: str, cache: bool) -> Non
     elif exporter == "dynamo-cacheobj":
         _export_dynamo_cacheobj(model, path, cache)
     elif exporter.startswith("genai-"):
-        _export_genai(model, out_dir, exporter.split("-")[1])
+        precision, _, accuracy = exporter.removeprefix("genai-").partition("-acc")
+        _export_genai(model, out_dir, precision, accuracy)
     else:
         _export_ortopt(model, path, cache)
 
@@ -373,8 +377,9 @@ def _export_dynamo_cacheobj(model, path: Path, cache: bool) -> None:
                           external_data=True, dynamic_shapes={**shapes, "use_cache": None})
 
 
-def _export_genai(model, out_dir: Path, precision: str) -> None:
-    """onnxruntime-genai's model builder on the saved model (a subprocess: it is a CLI)."""
+def _export_genai(model, out_dir: Path, precision: str, accuracy: str = "") -> None:
+    """onnxruntime-genai's model builder on the saved model (a subprocess: it is a CLI);
+    `accuracy`: MatMulNBits' accuracy_level (the builder's default when empty)."""
     import subprocess
     import tempfile
 
@@ -382,7 +387,8 @@ def _export_genai(model, out_dir: Path, precision: str) -> None:
         save_model(model, hf_dir)
         _word_tokenizer(model.config.vocab_size).save_pretrained(hf_dir)  # the builder loads one
         proc = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", hf_dir, "-o", str(out_dir),
-                               "-p", precision, "-e", "cpu"], capture_output=True, text=True)
+                               "-p", precision, "-e", "cpu", *(["--extra_options", f"accuracy_level={accuracy}"] if accuracy else [])],
+                              capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"onnxruntime_genai.models.builder failed: {proc.stderr.strip()[-2000:]}")
 

@@ -24,7 +24,7 @@ from mtkc.runtime.generate import Generator
 T, C, NEW = 8, 64, 16
 PROMPTS = {"short": [5, 17, 300], "long": list(range(40, 53))}
 CASES = [("hf-generate", "qwen2"), ("hf-generate", "llama"), ("dynamo-cacheobj", "qwen2"),
-         ("dynamo-cacheobj", "llama"), ("genai-fp32", "qwen2"), ("genai-fp32", "llama"), ("genai-int4", "qwen2")]
+         ("dynamo-cacheobj", "llama"), ("genai-fp32", "qwen2"), ("genai-fp32", "llama"), ("genai-int4-acc1", "qwen2")]
 SDKS = ("6.0", "8.0")
 
 
@@ -44,24 +44,10 @@ def compiled(exported, tmp_path_factory):
     return get
 
 
-def genai_generate(model_dir, prompt: list[int], n: int, fp32_compute: bool = False) -> list[int]:
-    """onnxruntime-genai's greedy tokens on the export's own files (EOS does not stop it early).
-
-    `fp32_compute` runs a copy whose MatMulNBits have accuracy_level 0: the same int4 weights,
-    computed in fp32 instead of onnxruntime's int8-quantised activations (accuracy_level 4)."""
+def genai_generate(model_dir, prompt: list[int], n: int) -> list[int]:
+    """onnxruntime-genai's greedy tokens on the export's own files (EOS does not stop it early)."""
     import onnxruntime_genai as og
 
-    if fp32_compute:
-        copy = model_dir.parent / f"{model_dir.name}-fp32-compute"
-        if not copy.exists():
-            shutil.copytree(model_dir, copy)
-            model = onnx.load(str(copy / "model.onnx"), load_external_data=False)
-            for node in model.graph.node:
-                for attr in node.attribute:
-                    if attr.name == "accuracy_level":
-                        attr.i = 0
-            onnx.save(model, str(copy / "model.onnx"))
-        model_dir = copy
     model = og.Model(str(model_dir))
     params = og.GeneratorParams(model)
     params.set_search_options(do_sample=False, max_length=len(prompt) + n, min_length=len(prompt) + n)
@@ -85,7 +71,7 @@ def reference(exported, tiny_model, tmp_path_factory):
                 local = tmp_path_factory.getbasetemp() / f"genai-{family}-{exporter}"
                 if not local.exists():  # og may write beside the model: work on a copy
                     shutil.copytree(folder, local)
-                tokens[key] = genai_generate(local, PROMPTS[prompt], NEW, fp32_compute=exporter == "genai-int4")
+                tokens[key] = genai_generate(local, PROMPTS[prompt], NEW)
             else:
                 tokens[key] = factory.reference_generate(tiny_model(family), PROMPTS[prompt], NEW)
         return tokens[key]
@@ -137,12 +123,29 @@ def test_int4_weights_keep_their_codes(compiled):
         assert codes.min() >= -8 and codes.max() <= 7
 
 
-@pytest.mark.parametrize("exporter,family", [c for c in CASES if c not in (("genai-int4", "qwen2"), ("genai-fp32", "llama"))])
+def test_builder_cpu_default_int4_keeps_the_exact_weights(exported, compiled, reference):
+    """The builder's CPU default (accuracy_level 4: onnxruntime rounds MatMulNBits' activations to
+    int8) holds the same int4 codes and scales as accuracy_level 1; mtkc keeps them exactly, so its
+    tokens are og.Generator's on the accuracy_level 1 files, and verify says why the level-4
+    original itself can pick other near-tied tokens."""
+    from mtkc.pipeline.verify import verify
+
+    level4, level1 = (onnx.load(str(exported("qwen2", e, cache=True))) for e in ("genai-int4", "genai-int4-acc1"))
+    assert [(t.name, t.raw_data) for t in level4.graph.initializer] == [(t.name, t.raw_data) for t in level1.graph.initializer]
+    out = compiled("genai-int4", "qwen2", "8.0")
+    generator = Generator(out)
+    for prompt, ids in PROMPTS.items():
+        assert generator.generate(ids, NEW) == reference("genai-int4-acc1", "qwen2", prompt), prompt
+    notes = verify(out, samples=1, new_tokens=0).notes
+    assert len(notes) == 1 and notes[0].startswith("the original's MatMulNBits have accuracy_level 4: onnxruntime may "
+                                                   "round their activations to int8")
+
+
+@pytest.mark.parametrize("exporter,family", [c for c in CASES if c != ("genai-fp32", "llama")])
 def test_verify_pairs_the_exports_own_io(exporter, family, compiled):
     """verify finds the export's cache I/O and logits by structure (`cache_0`, `cat_3`, `linear_14`).
 
-    Not genai-fp32 llama: onnxruntime cannot run the original (head size 8). Not genai-int4: onnxruntime runs its MatMulNBits with int8-quantised activations
-    (accuracy_level 4), so its logits differ from the exact int4 weights' by ~0.6 (cosine 0.9992)."""
+    Not genai-fp32 llama: onnxruntime cannot run the original (head size 8)."""
     from mtkc.pipeline.verify import verify
 
     result = verify(compiled(exporter, family, "8.0"), samples=1)
@@ -150,27 +153,17 @@ def test_verify_pairs_the_exports_own_io(exporter, family, compiled):
     assert {c.output for c in result.checks} == {"logits"} | {f"present_{k}_{i}" for i in range(2) for k in ("key", "value")}
 
 
-@pytest.mark.parametrize("exporter", ["genai-fp32", "genai-int4"])
+@pytest.mark.parametrize("exporter", ["genai-fp32", "genai-int4-acc1"])
 def test_genai_passes_keep_the_numbers(exporter, exported, tmp_path):
-    """--verify-each: gqa, kv-cache, int4-weights ... each keep onnxruntime's numbers (int4: on a copy
-    computing MatMulNBits in fp32, accuracy_level 0 -- level 4 quantises activations to int8)."""
+    """--verify-each: gqa, kv-cache, int4-weights ... each keep onnxruntime's numbers (int4: the
+    accuracy_level 1 export, whose MatMulNBits compute in fp32 -- level 4 quantises activations)."""
     source = exported("qwen2", exporter, cache=True)
-    if exporter == "genai-int4":
-        copy = tmp_path / "src"
-        shutil.copytree(source.parent, copy)
-        model = onnx.load(str(copy / "model.onnx"), load_external_data=False)
-        for node in model.graph.node:
-            for attr in node.attribute:
-                if attr.name == "accuracy_level":
-                    attr.i = 0
-        onnx.save(model, str(copy / "model.onnx"))
-        source = copy / "model.onnx"
     result = compile_model(source, "8.0", tmp_path / "out", {"seq_len": T, "cache_len": C, "verify_each": True})
     def rewrites(name):
         return sum(r.rewrites for r in result.records if r.name == name)
 
     assert rewrites("gqa") == 4  # 2 layers, in prefill and decode
-    assert rewrites("int4-weights") == (2 * 12 if exporter == "genai-int4" else 0)  # 11 MatMulNBits + embedding
+    assert rewrites("int4-weights") == (2 * 12 if exporter == "genai-int4-acc1" else 0)  # 11 MatMulNBits + embedding
 
 
 def test_generation_prefill_stage_gets_a_cache_and_a_mask(exported, reference, tmp_path):

@@ -75,6 +75,7 @@ class Result:
     min_cosine: float
 
     generations: list[Generation] = field(default_factory=list)  # the oracle's, one per prompt
+    notes: list[str] = field(default_factory=list)  # how the original computes differently by design
 
     @property
     def compared(self) -> int:
@@ -96,7 +97,8 @@ class Result:
         if bad is not None:
             what = (f"tokens {bad.actual} != the original's {bad.expected}" if bad.actual != bad.expected
                     else f"logits at step {bad.worst_step}: max abs {bad.max_abs:.3g}, cosine {bad.cosine:.6f}")
-            return f"verify: generation from a {bad.prompt_len}-token prompt differs from the original export: {what}"
+            why = f" ({self.notes[0]})" if self.notes and bad.actual != bad.expected else ""
+            return f"verify: generation from a {bad.prompt_len}-token prompt differs from the original export: {what}{why}"
         first = self.failures[0]
         return (f"verify: graph '{first.graph}' output '{first.output}' ({first.pipeline}) does not match the original "
                 f"'{first.original}': max abs {first.max_abs:.3g}, cosine {first.cosine:.6f} "
@@ -113,6 +115,7 @@ class Result:
             "min_cosine": self.min_cosine,
             "checks": [asdict(c) for c in self.checks],
             "skipped": self.skipped,
+            "notes": self.notes,
         }
 
 
@@ -275,7 +278,10 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
         raise
     except Exception as exc:
         raise InputError(f"{source}: the original model does not load in onnxruntime ({type(exc).__name__})") from None
-    aliases = _export_names(source)  # cache I/O and logits the exporter named its own way
+    proto = read_proto(Path(source))  # structure only: weights stay in the file
+    aliases = _export_names(proto)  # cache I/O and logits the exporter named its own way
+    notes = _notes(proto)
+    del proto
     skipped: list[str] = []
     host = Host.from_manifest(manifest, out)
     generator = _runtime(out, skipped if new_tokens > 0 else [])  # sessions made, weights not yet touched
@@ -309,7 +315,7 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
                         _record(worst, skipped, g["name"], pipeline, name, value, expected, original_outputs,
                                 atol, rtol, min_cosine)
     checks = sorted(worst.values(), key=lambda c: c.pipeline != "partitions")  # stable: manifest order in each
-    return Result(checks, skipped, samples, atol, rtol, min_cosine, generations)
+    return Result(checks, skipped, samples, atol, rtol, min_cosine, generations, notes)
 
 
 def _expected(manifest: dict, reference, samples: int, host: Host, aliases: dict[str, str]):
@@ -387,6 +393,7 @@ def format_text(result: Result) -> str:
     widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines += [f"skipped: {escape(s)}" for s in result.skipped]
+    lines += [f"note: {n}" for n in result.notes]
     for g in result.generations:
         lines.append(f"generate  prompt {g.prompt_len} tokens: {g.steps} logits rows, max abs {g.max_abs:.3g}, "
                      f"min cosine {g.cosine:.6f}; tokens {'equal' if g.expected == g.actual else 'DIFFER'} "
@@ -399,12 +406,27 @@ def format_text(result: Result) -> str:
     return "\n".join(lines)
 
 
-def _export_names(source: Path) -> dict[str, str]:
+def _export_names(proto) -> dict[str, str]:
     """{export name: contract name} of the export's cache I/O and logits, found by structure."""
     try:
-        return export_names(gs.import_onnx(read_proto(Path(source))))
+        return export_names(gs.import_onnx(proto))
     except InputError:
         return {}
+
+
+_ROUNDED = {2: "fp16", 3: "bf16", 4: "int8"}  # MatMulNBits accuracy_level -> activations onnxruntime may use
+
+
+def _notes(proto) -> list[str]:
+    """Where the original, run as exported, computes differently from the compiled graphs by design."""
+    levels = {a.i for n in proto.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
+              if a.name == "accuracy_level" and a.i in _ROUNDED}
+    if not levels:
+        return []
+    level = max(levels)
+    return [f"the original's MatMulNBits have accuracy_level {level}: onnxruntime may round their activations to "
+            f"{_ROUNDED[level]}, the compiled graphs keep them in float (same int4 weights), so near-tied tokens can "
+            "differ; an exact reference is the export with accuracy_level=1 (builder --extra_options accuracy_level=1)"]
 
 
 def _vocab(graph: dict, reference) -> int:
