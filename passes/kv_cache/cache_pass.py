@@ -83,6 +83,9 @@ class KvCache(Pass):
 
 def _bind_head_dims(graph: gs.Graph, layers: list[LayerCache], ctx: Context) -> None:
     """Cache input axes 1 and 3 (kv heads, head dim), when the export left them symbolic."""
+    pasts = [p for layer in layers for p in layer.past.values()]
+    if all(p.shape is not None and len(p.shape) == 4 and all(isinstance(p.shape[a], int) for a in (1, 3)) for p in pasts):
+        return  # static already (TorchScript): no probe of the whole graph
     dims = cache_head_dims(graph, ctx.root)
     for layer in layers:
         for past in layer.past.values():
