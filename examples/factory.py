@@ -99,7 +99,7 @@ def model_config(family: str = "qwen2", size: str = "tiny", layers: int | None =
                              rope_parameters={"rope_type": "default", "rope_theta": 1e6},
                              use_sliding_window=False, max_window_layers=layers or n_layers, **common)
     else:
-        hidden, n_layers, heads, kv, inter, vocab = _DIMS.get(size, (64, 2, 8, 2, 160, 1000))
+        hidden, n_layers, heads, kv, inter, vocab = _DIMS.get(size, (128, 2, 8, 2, 256, 1000))  # head dim 16
         config = LlamaConfig(hidden_size=hidden, num_hidden_layers=layers or n_layers,
                              num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=inter,
                              vocab_size=vocab, tie_word_embeddings=False, rms_norm_eps=1e-5,

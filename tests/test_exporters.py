@@ -5,8 +5,7 @@ DynamicCache argument, onnxruntime-genai's builder in fp32 and int4 (GroupQueryA
 Each is compiled for SDK 6.0 and 8.0 (T=8, C=64): greedy tokens through the compiled prefill/decode
 graphs equal the reference for 16 tokens on prompts shorter and longer than T -- transformers'
 `generate` for torch exports, onnxruntime-genai's own `Generator` on the original files for its
-exports (tiny Llama's head size 8 is one onnxruntime's CPU GroupQueryAttention refuses -- it wants a
-multiple of 16 --, so its fp32 genai export is held to transformers' tokens instead) -- and on SDK 8.0 every node is on the NPU (the embedding runs on the host).
+exports -- and on SDK 8.0 every node is on the NPU (the embedding runs on the host).
 """
 
 from __future__ import annotations
@@ -66,7 +65,7 @@ def reference(exported, tiny_model, tmp_path_factory):
     def get(exporter: str, family: str, prompt: str):
         key = (exporter, family, prompt)
         if key not in tokens:
-            if exporter.startswith("genai-") and (exporter, family) != ("genai-fp32", "llama"):
+            if exporter.startswith("genai-"):
                 folder = exported(family, exporter, cache=True).parent
                 local = tmp_path_factory.getbasetemp() / f"genai-{family}-{exporter}"
                 if not local.exists():  # og may write beside the model: work on a copy
@@ -141,11 +140,9 @@ def test_builder_cpu_default_int4_keeps_the_exact_weights(exported, compiled, re
                                                    "round their activations to int8")
 
 
-@pytest.mark.parametrize("exporter,family", [c for c in CASES if c != ("genai-fp32", "llama")])
+@pytest.mark.parametrize("exporter,family", CASES)
 def test_verify_pairs_the_exports_own_io(exporter, family, compiled):
-    """verify finds the export's cache I/O and logits by structure (`cache_0`, `cat_3`, `linear_14`).
-
-    Not genai-fp32 llama: onnxruntime cannot run the original (head size 8)."""
+    """verify finds the export's cache I/O and logits by structure (`cache_0`, `cat_3`, `linear_14`)."""
     from mtkc.pipeline.verify import verify
 
     result = verify(compiled(exporter, family, "8.0"), samples=1)

@@ -151,7 +151,7 @@ def test_the_original_is_fed_its_own_inputs(exported):
     assert (original.ids, original.mask, original.positions) == ("input_ids", "attention_mask", "position_ids")
     assert original.pasts[("key", 1)] == "input.cache.layers.1.keys"
     assert original.presents[("value", 0)] == "output.cache.layers.0.values"
-    assert original.empty["input.cache.layers.0.keys"] == [1, 2, 0, 8]
+    assert original.empty["input.cache.layers.0.keys"] == [1, 2, 0, 16]
     feeds = []
     run = session.run
     session.run = lambda names, f: feeds.append({k: v.shape for k, v in f.items()}) or run(names, f)
