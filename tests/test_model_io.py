@@ -609,6 +609,18 @@ def test_inline_weights_stay_in_the_file(tmp_path):
     assert wire.parse(text) is None  # onnx reads that suffix as text format
 
 
+def test_a_linked_inline_model_is_parsed_whole(tmp_path):
+    """A symlinked or hard-linked .onnx cannot be named from its folder as external data: its
+    weights are parsed inline, as protobuf reads them."""
+    path = _inline_matmul(tmp_path / "real")
+    (tmp_path / "via").mkdir()
+    for name, make in (("symlink.onnx", os.symlink), ("hardlink.onnx", os.link)):
+        make(path, tmp_path / "via" / name)
+        model = mmodel.load(tmp_path / "via" / name)
+        assert model.proto.graph.initializer[0].HasField("raw_data"), name
+        np.testing.assert_array_equal(model.values(model.graph.tensors()["W"]), W)
+
+
 @pytest.mark.parametrize("raw", [b"\0" * 12, b"\0" * 4096])
 def test_inline_raw_data_of_the_wrong_length_is_refused(raw, tmp_path):
     """Small or big, a raw_data that does not fit the shape stays inline and is refused as such."""
