@@ -675,8 +675,16 @@ def _external(entries: list[tuple[str, str]]):
     return build
 
 
+def _undefined_input():
+    """elem_type set to 0 explicitly passes the checker; onnxruntime's symbolic inference cycled on it."""
+    m = tiny()
+    m.graph.input[0].type.tensor_type.elem_type = TensorProto.UNDEFINED
+    return m
+
+
 W_BIN = {"w.bin": np.zeros(16, np.float32).tobytes()}
 INVALID = {
+    "input-elem-type-undefined": (_undefined_input, "graph input 'x' has element type UNDEFINED (0)", None),
     "duplicate-initializer": (_dup_init, "initializer name is not unique", None),
     "cast-without-to": (_node("Cast", ["x"]), "Required attribute 'to'", None),
     "concat-without-axis": (_node("Concat", ["x", "x"]), "Required attribute 'axis'", None),

@@ -391,3 +391,29 @@ def test_legalize_neg_pow_broadcast_gemm():
     assert all(len(x.shape) == 2 for n in graph.nodes if n.op == "Mul" for x in n.inputs)
     np.testing.assert_allclose(execute.run(graph, feeds)["t4"], expected, rtol=1e-6)
     assert legalize.Legalize().run(graph, Context(table=None)).rewrites == 0
+
+
+def test_symbolic_shape_inference_stops_on_a_graph_it_cycles_on():
+    """onnxruntime's symbolic inference repeats while a merge changes a dim; on an input typed
+    UNDEFINED it never stops. mtkc runs it at most SYMBOLIC_ROUNDS times (it hung before)."""
+    import signal
+
+    from onnx import helper
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Relu", ["m"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.UNDEFINED, [1, 4])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.UNDEFINED, None)],
+        [onnx.numpy_helper.from_array(np.ones((4, 4), np.float32), "w")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+    def hung(signum, frame):
+        raise TimeoutError("symbolic shape inference did not stop")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(30)
+    try:
+        shapes._symbolic_infer(proto)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

@@ -95,6 +95,7 @@ def validate_proto(proto: onnx.ModelProto, path: Path, root: Path) -> None:
     for tensor, where, sparse in stored_tensors(proto):
         _check_tensor(tensor, where, sparse, path, root, files)
     _check_graph(proto.graph, path, [], depth=0)
+    _check_io_types(proto.graph, path)
     check_onnx(proto, path)
 
 
@@ -423,6 +424,15 @@ def _sparse_parts(sparse: onnx.SparseTensorProto, where: str):
 
 
 # ---------------------------------------------------------------------------- structure
+
+
+def _check_io_types(graph: onnx.GraphProto, path: Path) -> None:
+    """A main-graph input or output typed as a tensor of UNDEFINED elements (an explicit 0, which
+    the checker lets through): onnxruntime refuses it, and symbolic shape inference cycles on it."""
+    for kind, values in (("input", graph.input), ("output", graph.output)):
+        for v in values:
+            if v.type.HasField("tensor_type") and v.type.tensor_type.elem_type == onnx.TensorProto.UNDEFINED:
+                raise InputError(f"{path}: graph {kind} '{v.name}' has element type UNDEFINED (0)")
 
 
 def _check_graph(graph: onnx.GraphProto, path: Path, outer: list[set[str]], depth: int) -> set[str]:

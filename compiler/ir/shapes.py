@@ -28,6 +28,7 @@ from mtkc.ir import constants
 from mtkc.ir.toposort import topo_order
 
 INLINE_ELEMENTS = 128  # constants copied into the shape-inference model (shape operands)
+SYMBOLIC_ROUNDS = 8  # passes of onnxruntime's symbolic inference (LLM exports settle in 1-2)
 log = logging.getLogger(__name__)
 
 
@@ -73,7 +74,9 @@ def _symbolic_infer(proto: onnx.ModelProto) -> onnx.ModelProto:
     working directory and raises: the tensors typed before the first op it cannot handle are kept."""
     sym = symbolic_shape_inference()(int_max=2**31 - 1, auto_merge=True, guess_output_rank=False, verbose=0)
     sym._preprocess(proto)
-    while sym.run_:
+    for _ in range(SYMBOLIC_ROUNDS):  # it repeats while a merge changed a dim; a broken graph can cycle
+        if not sym.run_:
+            break
         sym._infer_impl()
     sym._update_output_from_vi()
     return sym.out_mp_
