@@ -41,7 +41,6 @@ class Model:
     path: Path
     root: Path  # the folder external-data locations are relative to
     opset: int
-    proto_bytes: int  # size of the .onnx file itself (weights excluded when external)
     proto: onnx.ModelProto | None = field(default=None, repr=False)  # the parsed file `graph` came from
     names: list = field(default_factory=list, repr=False)  # [(stored TensorProto, its name in the file)]
 
@@ -97,7 +96,7 @@ def load(path: str | os.PathLike) -> Model:
     validate_proto(proto, path, root)
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
     names = [(t, t.name) for t, _, _ in stored_tensors(proto)]
-    return Model(_import(proto, path, root), path, root, opset, size, proto, names)
+    return Model(_import(proto, path, root), path, root, opset, proto, names)
 
 
 def read_proto(path: Path) -> onnx.ModelProto:
