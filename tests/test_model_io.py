@@ -610,11 +610,14 @@ def test_inline_weights_stay_in_the_file(tmp_path):
 
 
 def test_a_linked_inline_model_is_parsed_whole(tmp_path):
-    """A symlinked or hard-linked .onnx cannot be named from its folder as external data: its
-    weights are parsed inline, as protobuf reads them."""
+    """A symlinked or hard-linked .onnx, or one whose name a location cannot spell, cannot be named
+    from its folder as external data: its weights are parsed inline, as protobuf reads them."""
     path = _inline_matmul(tmp_path / "real")
     (tmp_path / "via").mkdir()
-    for name, make in (("symlink.onnx", os.symlink), ("hardlink.onnx", os.link)):
+    for name, make in (("symlink.onnx", os.symlink), ("hardlink.onnx", os.link), ("C:model.onnx", os.rename),
+                       ("a\\b.onnx", os.rename)):  # the last two: names a location cannot spell
+        if make is os.rename:
+            path = _inline_matmul(tmp_path / name.replace("\\", "_").replace(":", "_"))
         make(path, tmp_path / "via" / name)
         model = mmodel.load(tmp_path / "via" / name)
         assert model.proto.graph.initializer[0].HasField("raw_data"), name

@@ -101,10 +101,11 @@ def load(path: str | os.PathLike) -> Model:
 
 def read_proto(path: Path) -> onnx.ModelProto:
     """The model's proto, weights unread: big inline initializers become references into the file
-    itself (`mtkc.ir.wire`) when the file is a plain one in its folder (a symlink or hard link
-    could not be named from there); external data stays external. InputError when it is not ONNX."""
+    itself (`mtkc.ir.wire`) when its folder can name it as external data (not a symlink or hard
+    link, no `\\` or `:` in the name); external data stays external. InputError when not ONNX."""
     st = path.lstat()
-    lazy = wire.parse(path) if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else None
+    nameable = stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and not set(path.name) & set("\\:")
+    lazy = wire.parse(path) if nameable else None
     if lazy is not None:
         return lazy
     try:
