@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
-from mtkc.commands.options import add_common
+from mtkc.commands.options import add_common, print_json
 from mtkc.errors import InputError
 from mtkc.pipeline.calibrate import calibrate
 from mtkc.runtime.prompts import add_prompt_args, load_prompts
@@ -38,8 +36,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_prompts(args)[: args.samples]
     entry = calibrate(args.out, prompts, args.decode_steps, args.max_bytes)
     if args.format == "json":
-        json.dump(entry, sys.stdout, indent=2, sort_keys=True)
-        sys.stdout.write("\n")
+        print_json(entry)
     else:
         for name, n in entry["samples"].items():
             print(f"{name}: {n} samples")

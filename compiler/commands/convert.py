@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 from mtkc.backend.quant_handoff import PRECISION
-from mtkc.commands.options import add_common
+from mtkc.commands.options import add_common, print_json
 from mtkc.pipeline.convert import convert
 
 
@@ -37,8 +35,7 @@ def run(args: argparse.Namespace) -> int:
 
     section = convert(args.out, args.quant, args.converter_cmd, args.no_convert)
     if args.format == "json":
-        json.dump(section, sys.stdout, indent=2, sort_keys=True)
-        sys.stdout.write("\n")
+        print_json(section)
     elif section.get("ran"):
         print(f"converted {len(section['partitions'])} partition(s) with {args.quant}; logs in {args.out}/logs")
     else:

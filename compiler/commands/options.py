@@ -7,6 +7,8 @@ file's (`from_args`).
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 
 from mtkc.errors import InputError
 from mtkc.options import CACHE_IO, EMBEDDINGS, MAX_LEN, ROPE_MODES, Layer, Options, build
@@ -129,3 +131,9 @@ def split_names(text: str | None) -> list[str] | None:
     if text is None:
         return None
     return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def print_json(data) -> None:
+    """A command's `--format json` summary on stdout: indented, keys sorted (same input, same bytes)."""
+    json.dump(data, sys.stdout, indent=2, sort_keys=True)
+    sys.stdout.write("\n")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
+from mtkc.commands.options import print_json
 from mtkc.errors import InputError, MismatchError
 from mtkc.pipeline.quantsim import SCHEMES, format_text, parse_layers, simulate
 from mtkc.pipeline.verify import load_manifest
@@ -35,8 +35,7 @@ def run_quant(args: argparse.Namespace) -> int:
     result = simulate(args.out, args.quant, prompts, args.new_tokens, parse_layers(args.keep_fp), min_cosine,
                       args.calibration_samples)
     if args.format == "json":
-        json.dump(result.to_json(), sys.stdout, indent=2, sort_keys=True)
-        sys.stdout.write("\n")
+        print_json(result.to_json())
     else:
         print(format_text(result))
     if not result.ok:

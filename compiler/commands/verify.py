@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
-from mtkc.commands.options import add_common
+from mtkc.commands.options import add_common, print_json
 from mtkc.commands.quant import add_quant_args, run_quant
 from mtkc.errors import InputError, MismatchError
 from mtkc.options import check_tolerances
@@ -55,8 +53,7 @@ def run(args: argparse.Namespace) -> int:
     result = verify(args.out, samples=args.samples, atol=args.atol, rtol=args.rtol,
                     min_cosine=args.min_cosine, model=args.model, new_tokens=args.new_tokens)
     if args.format == "json":
-        json.dump(result.to_json(), sys.stdout, indent=2, sort_keys=True)
-        sys.stdout.write("\n")
+        print_json(result.to_json())
     else:
         print(format_text(result))
     if not result.ok:
