@@ -54,3 +54,66 @@ class EscapingFormatter(logging.Formatter):
     def formatMessage(self, record: logging.LogRecord) -> str:
         record.message = escape(record.message)
         return super().formatMessage(record)
+
+
+class Progress:
+    """One live line on a terminal for a long step: `stage n/N, rate/s, ETA`; silent when not a terminal.
+
+    Use as a context manager: `with Progress("calibrate", total=len(prompts), unit="prompt") as p:
+    ... p.advance()`. The line is redrawn at most every `interval` seconds and erased at the end,
+    so a log or a pipe sees nothing extra; the caller prints its own summary.
+    """
+
+    def __init__(self, stage: str, total: int | None = None, unit: str = "", stream=None, interval: float = 0.25):
+        import sys
+        import time
+
+        self._clock = time.monotonic
+        self.stage, self.total, self.unit = escape(stage), total, unit
+        self.stream = stream if stream is not None else sys.stderr
+        self.live = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.done = 0
+        self.interval = interval
+        self.start = self._last = self._clock()
+
+    @property
+    def elapsed(self) -> float:
+        return self._clock() - self.start
+
+    def line(self) -> str:
+        """The progress text as it would be drawn now."""
+        elapsed = max(self.elapsed, 1e-9)
+        rate = self.done / elapsed
+        unit = f" {self.unit}s" if self.unit else ""
+        parts = [f"mtkc: {self.stage} {self.done}" + (f"/{self.total}" if self.total else "") + unit]
+        if self.done:
+            parts.append(f"{rate:.2f}/s" if rate < 10 else f"{rate:.0f}/s")
+            if self.total and self.done < self.total:
+                parts.append(f"ETA {_clock_text((self.total - self.done) / rate)}")
+        parts.append(_clock_text(elapsed))
+        return ", ".join(parts)
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        now = self._clock()
+        if self.live and (now - self._last >= self.interval or (self.total and self.done >= self.total)):
+            self._last = now
+            self.stream.write("\r\x1b[K" + self.line())
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.live:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            self.live = False
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _clock_text(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}:{seconds % 60:02d}" if seconds >= 60 else f"{seconds}s"
