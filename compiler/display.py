@@ -64,11 +64,12 @@ class Progress:
     so a log or a pipe sees nothing extra; the caller prints its own summary.
     """
 
-    def __init__(self, stage: str, total: int | None = None, unit: str = "", stream=None, interval: float = 0.25):
+    def __init__(self, stage: str, total: int | None = None, unit: str = "", stream=None, interval: float = 0.25,
+                 clock=None):
         import sys
         import time
 
-        self._clock = time.monotonic
+        self._clock = clock or time.monotonic
         self.stage, self.total, self.unit = escape(stage), total, unit
         self.stream = stream if stream is not None else sys.stderr
         self.live = bool(getattr(self.stream, "isatty", lambda: False)())

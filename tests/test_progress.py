@@ -20,9 +20,7 @@ def test_progress_is_silent_off_a_terminal():
 def test_progress_draws_and_erases_on_a_terminal():
     stream = _Tty()
     now = [0.0]
-    p = Progress("calibrate", total=4, unit="prompt", stream=stream, interval=0)
-    p._clock = lambda: now[0]
-    p.start = 0.0
+    p = Progress("calibrate", total=4, unit="prompt", stream=stream, interval=0, clock=lambda: now[0])
     now[0] = 10.0
     p.advance()  # 1 prompt in 10 s: 3 left at 0.1/s -> 30 s
     assert stream.getvalue() == "\r\x1b[Kmtkc: calibrate 1/4 prompts, 0.10/s, ETA 30s, 10s"
