@@ -127,3 +127,35 @@ def test_readme_plugin_rewrites_and_explains_its_refusals(exported, run_cli, tmp
     assert text.count("integer division (int64) has no reciprocal (at ") == 4
     code, stdout, stderr = run_cli("verify", out)
     assert code == 0, stdout + stderr
+
+
+class SiluToQuickGelu(Rule):
+    """x * Sigmoid(x) -> com.microsoft QuickGelu(x, alpha=1) (the plugin rule of the chain test)."""
+
+    anchor, root, steps = ("Sigmoid",), "Mul", 1
+
+    def pattern(self, op):
+        x = Var("x")
+        return op.Mul(x, op.Sigmoid(x), _name="mul")
+
+    def rewrite(self, op, ctx, m):
+        return [(m["mul"].outputs[0], op.QuickGelu(m["x"], alpha=1.0, _domain="com.microsoft"))]
+
+
+def test_a_chain_of_sites_rewrites_each_site_once_and_resurrects_nothing():
+    """f(f(x)): the second site is bound after the first rewrite, so it reads the first QuickGelu."""
+    x = gs.Variable("x", np.float32, [2, 3])
+    graph = gs.Graph([], [x], [], opset=17)
+    op = Emit(graph, "g")
+    y = x
+    for _ in range(3):
+        y = op.Mul(y, op.Sigmoid(y, _shape=[2, 3]), _shape=[2, 3])
+    graph.outputs = [y]
+    feeds = {"x": np.random.default_rng(2).standard_normal((2, 3)).astype(np.float32)}
+    want = run(graph, feeds)[y.name]
+    result = PassResult()
+    assert apply(SiluToQuickGelu(), graph, Context(None), result) == 3
+    assert [n.op for n in graph.toposort().nodes] == ["QuickGelu"] * 3
+    assert graph.nodes[0].inputs[0] is x and all(a.outputs[0] is b.inputs[0] for a, b in zip(graph.nodes, graph.nodes[1:]))
+    assert result.notes == ["3 SiluToQuickGelu sites"] and not result.misses
+    np.testing.assert_allclose(run(graph, feeds)[graph.outputs[0].name], want, rtol=1e-5, atol=1e-6)

@@ -13,7 +13,8 @@ A rule is four things (a class with these members):
 plus `done(ctx, m)`: the site is already in the target form (counted as a site, not rewritten:
 this makes a rule idempotent). The driver owns the rest: traversal in graph order, one miss per
 refused anchor with the first failing condition (what `--explain` prints), sites covered by an
-earlier match, replacement (`replace_uses`; an emitted tensor takes the replaced one's dtype
+earlier match, matching each site only when the walk reaches it (after the earlier rewrites, so a
+binding is never stale), replacement (`replace_uses`; an emitted tensor takes the replaced one's dtype
 and shape), rollback of the nodes a refused rewrite had emitted, counting, a note with the
 number of sites, and dead-node cleanup after each rule. Order and names are restored by the pass
 manager. A refusal is always `Refused`, raised by a pattern condition, `check` or `rewrite`.
@@ -35,7 +36,7 @@ manager. A refusal is always `Refused`, raised by a pattern condition, `check` o
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import onnx_graphsurgeon as gs
 
@@ -112,14 +113,17 @@ def _miss(anchor: gs.Node, why: Refused) -> Miss:
     return Miss(anchor.name, why.reason if why.where is None else f"{why.reason} (at {why.where})")
 
 
-def find(rule: Rule, graph: gs.Graph, ctx: Context | None = None) -> tuple[list[Match], list[Miss]]:
-    """The sites of `rule` (matched and checked) and a miss for every other anchor; changes nothing."""
-    ctx = ctx or Context(None)
+def _sites(rule: Rule, graph: gs.Graph, ctx: Context) -> Iterator[tuple[gs.Node, Match | Refused]]:
+    """Each candidate anchor in graph order with its site (matched and checked) or its refusal.
+
+    Lazy: a site is matched when it is reached, so a caller that rewrites between two steps has
+    the next site bound to the graph as it is then (on a chain f(f(x)) the second site reads the
+    first one's replacement, not the tensor it replaced).
+    """
     rule.start(graph, ctx)
-    pattern, read = _pattern(rule), ctx.read_values
-    sites, misses, covered = [], [], set()
+    pattern, read, covered = _pattern(rule), ctx.read_values, set()
     for node in list(graph.nodes):
-        if not _anchored(rule, node) or id(node) in covered or not rule.candidate(node):
+        if not _anchored(rule, node) or id(node) in covered or not node.outputs or not rule.candidate(node):
             continue
         if pattern is None:
             m = Match(True, {"node": node}, [node], read=read)
@@ -133,29 +137,38 @@ def find(rule: Rule, graph: gs.Graph, ctx: Context | None = None) -> tuple[list[
                 raise Refused(m.reason, m.node)
             rule.check(ctx, m)
         except Refused as why:
-            misses.append(_miss(node, why))
+            yield node, why
             continue
-        sites.append(m)
         covered.update(id(n) for n in m.nodes)
+        yield node, m
+
+
+def find(rule: Rule, graph: gs.Graph, ctx: Context | None = None) -> tuple[list[Match], list[Miss]]:
+    """The sites of `rule` (matched and checked) and a miss for every other anchor; changes nothing."""
+    sites, misses = [], []
+    for node, found in _sites(rule, graph, ctx or Context(None)):
+        (misses.append(_miss(node, found)) if isinstance(found, Refused) else sites.append(found))
     return sites, misses
 
 
 def apply(rule: Rule, graph: gs.Graph, ctx: Context, result: PassResult) -> int:
-    """Rewrite every site of `rule`; adds rewrites, misses and a note to `result`."""
+    """Rewrite every site of `rule` as the walk reaches it; adds rewrites, misses and a note to `result`."""
     if not rule.applies(ctx):
         return 0
-    sites, misses = find(rule, graph, ctx)
-    result.misses += misses
-    rewrites = 0
-    for m in sites:
-        if any(not n.outputs for n in m.nodes) or rule.done(ctx, m):
-            continue  # (a node of the site went with an earlier rewrite)
+    sites = rewrites = 0
+    for node, m in _sites(rule, graph, ctx):
+        if isinstance(m, Refused):
+            result.misses.append(_miss(node, m))
+            continue
+        sites += 1
+        if rule.done(ctx, m):
+            continue
         mark = len(graph.nodes)
         try:
             replaced = rule.rewrite(Emit(graph, rule.prefix(m)), ctx, m)
         except Refused as why:
             _rollback(graph, mark)
-            result.misses.append(_miss(m.anchor, why))
+            result.misses.append(_miss(node, why))
             continue
         emitted = {id(t) for n in graph.nodes[mark:] for t in n.outputs}
         for old, new in replaced:
@@ -165,7 +178,7 @@ def apply(rule: Rule, graph: gs.Graph, ctx: Context, result: PassResult) -> int:
             replace_uses(graph, old, new)
         rewrites += 1
     result.rewrites += rewrites
-    result.notes.append(f"{len(sites)} {rule.sites or type(rule).__name__} sites")
+    result.notes.append(f"{sites} {rule.sites or type(rule).__name__} sites")
     if rewrites:
         cleanup(graph)
     rule.finish(graph, ctx, result)
