@@ -42,8 +42,11 @@ def test_check_reports_per_op_reasons(capsys, exported, family, exporter):
     report = json.loads(out)
     assert list(report) == ["schema_version", "sdk", "arch", "model", "verdict", "strict", "partitions",
                             "largest_partition", "graphs", "unbound", "bound", "picked", "suggested", "on_cpu", "nodes",
-                            "coverage", "unsupported", "quantization"]
+                            "coverage", "unsupported", "quantization", "decoder"]
     assert (report["sdk"], report["arch"]) == ("9.0", "mdla6.1")
+    assert (report["decoder"]["layers"], report["decoder"]["kinds"], report["decoder"]["refused"]) == \
+        (2, ["attention+SwiGLU"], [])
+    assert "decoder     2 layers (2×attention+SwiGLU); cache none" in text
     assert 0 < report["coverage"]["raw"] < report["coverage"]["compiled"] <= 1 and report["partitions"] >= 1
     assert sum(g["count"] for g in report["unsupported"]) < report["nodes"]
     found = groups(report)

@@ -1,7 +1,7 @@
 """Layers only point down: every `mtkc` import goes to the same or a lower layer, at module level.
 
-    cli -> commands -> pipeline -> backend, runtime -> manager, target -> passes -> rewrite
-        -> options -> contract -> ir -> errors
+    cli -> commands -> pipeline -> backend, runtime -> manager, target -> passes -> analysis
+        -> rewrite -> options -> contract -> ir -> errors
 
 Parsed with `ast` (nothing is imported). A function-level `mtkc` import is how a cycle hides, so
 it fails too, except where ALLOWED lists it (each entry says who removes it).
@@ -25,6 +25,7 @@ LAYERS = [
     ("mtkc.backend", "mtkc.runtime"),
     ("mtkc.manager", "mtkc.target"),
     ("mtkc.passes",),
+    ("mtkc.analysis",),
     ("mtkc.rewrite",),
     ("mtkc.options",),
     ("mtkc.contract",),

@@ -79,6 +79,8 @@ def render(report: CheckReport) -> str:
         lines.append(f"quantized   {q['state']}: {q['quantize_linear']} QuantizeLinear, {q['dequantize_linear']} DequantizeLinear "
                      f"({q['per_channel']} per-channel; weights {', '.join(q['weight_dtypes']) or 'none'})"
                      + "".join(f", {n} {op}" for op, n in {**q.get("dynamic", {}), **q.get("qoperator", {})}.items()))
+    if report.decoder is not None:
+        lines.append(f"decoder     {escape(report.decoder.summary())}")
     if report.unbound:
         lines.append(f"unbound     {escape(', '.join(report.unbound))} (bind with --seq-len/--cache-len/--batch/--input-shape)")
     if a.groups:

@@ -16,6 +16,7 @@ from typing import Any
 
 import onnx_graphsurgeon as gs
 
+from mtkc.analysis.decoder import DecoderMap, decoder_map
 from mtkc.errors import MtkcError
 from mtkc.ir.model import load
 from mtkc.manager.pass_manager import load_registry
@@ -62,6 +63,7 @@ class CheckReport:
     on_cpu: list[dict] = field(default_factory=list)  # {graph, node, reason} left on the CPU by compile
     rewritten_by: dict[str, str] = field(default_factory=dict)  # unsupported node -> pass that fixes it
     quantization: dict = field(default_factory=dict)  # mtkc.passes.qdq.quantization_state of the input
+    decoder: DecoderMap | None = None  # the input's decoder layers, found by structure
 
     @property
     def cpu_fallback(self) -> bool:
@@ -124,6 +126,7 @@ class CheckReport:
                 for g in a.groups
             ],
             "quantization": self.quantization,
+            "decoder": self.decoder.to_json() if self.decoder is not None else None,
         }
 
 
@@ -155,10 +158,11 @@ def check(model_path, sdk: str, options: Options | dict[str, Any] | None = None,
         for name in [*(options.passes or []), *options.skip_passes]:
             registry.get(name)
     model = load(model_path)
+    decoder = decoder_map(model.graph)
     if not compiled:
         raw, unbound = raw_assessment(model, table, options)
         return CheckReport(table.version, table.arch, str(model_path), raw, unbound,
-                           quantization=quantization_state(model.graph))
+                           quantization=quantization_state(model.graph), decoder=decoder)
     watch: set[str] = set()
     fixed: dict[str, str] = {}
 
@@ -173,7 +177,7 @@ def check(model_path, sdk: str, options: Options | dict[str, Any] | None = None,
     raw, unbound = raw_assessment(raw_model, table, options)
     watch.update(n for g in raw.groups for n in g.nodes)
     report = CheckReport(table.version, table.arch, str(model_path), raw, unbound,
-                         quantization=quantization_state(raw_model.graph))
+                         quantization=quantization_state(raw_model.graph), decoder=decoder)
     try:
         result = build(model, options, table, observe=track, raw=False, suggest=True)
     except MtkcError as exc:  # the raw verdicts still stand; say why compile's outcome is missing

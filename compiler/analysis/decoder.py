@@ -1,0 +1,402 @@
+"""DecoderMap: one picture of a decoder-only LLM graph, found by structure, not by names.
+
+Anchored on attention: every Softmax and every fused attention op (com.microsoft Attention /
+MultiHeadAttention / GroupQueryAttention / PackedAttention, opset-23 Attention) is a candidate
+layer, numbered in graph order. Around a Softmax anchor:
+
+    q_proj ─[layout, RoPE, scale]─┐
+    k_proj ─[layout, RoPE, cache Concat(past, ·, axis 2), repeat]─ Transpose ─┴─ MatMul (scores)
+        ─[scale Mul/Div][soft-cap Div·Tanh·Mul][mask Add/Where]─ Softmax ─[Cast, Where]─ MatMul (PV)
+    v_proj ─[layout, cache Concat, repeat]──────────────────────────────────────────────┘
+    PV ─[layout]─ o_proj ─[bias]─ Add (residual) ─ post norm ─ MLP ─ Add (residual out)
+
+A candidate whose scores, PV or projections are not where the picture has them is a per-layer
+`refused` reason (a classifier Softmax, an op this map does not know), never an exception.
+Globally: the token input, the embedding (and its scale), the final norm, the logits (and a
+final soft-cap), the mask and position sources, the cache layout.
+
+Cheap by construction: each walk is bounded (`REACH` nodes), nothing reads a weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from mtkc.ir.constants import constant_of
+
+REACH = 32  # nodes one bounded walk may visit
+FUSED_ATTENTION = {"Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention"}
+PROJECTIONS = {"MatMul", "Gemm", "MatMulNBits", "FusedMatMul", "MatMulInteger", "DynamicQuantizeMatMul"}
+NORMS = {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RMSNormalization",
+         "LayerNormalization", "SkipLayerNormalization"}
+_SCORE_PATH = {"Add", "Where", "Mul", "Div", "Tanh", "Cast", "Sub", "Identity", "Reshape"}
+_PROB_PATH = {"Cast", "Where", "IsNaN", "Identity", "Dropout", "Reshape"}
+_LAYOUT = {"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Identity", "Cast", "Tile", "Concat",
+           "Mul", "Div", "Add", "Sub", "Neg", "Slice", "Split", "RotaryEmbedding", "Gather",
+           "DequantizeLinear", "QuantizeLinear"}
+_ALL_INPUTS = {"Concat", "Mul", "Div", "Add", "Sub", "RotaryEmbedding"}  # other layout ops: data input 0 only
+_OUT_PATH = {"Transpose", "Reshape", "Cast", "Identity", "Squeeze", "Unsqueeze", "Where"}
+_GLU = {"Sigmoid": "SwiGLU", "QuickGelu": "SwiGLU", "Swish": "SwiGLU", "Erf": "GeGLU", "Gelu": "GeGLU",
+        "FastGelu": "GeGLU", "BiasGelu": "GeGLU", "Tanh": "GeGLU"}
+MASK_NAMES = ("attention_mask",)
+
+
+@dataclass
+class Layer:
+    """One decoder layer. Node fields hold node names (None: not in this graph)."""
+
+    index: int
+    anchor: str  # the Softmax or fused attention node
+    attention: str = ""  # "softmax" | the fused op type
+    q: str | None = None
+    k: str | None = None
+    v: str | None = None
+    fused_qkv: bool = False
+    rope: str | None = None  # the rotation on q ("fused" inside the attention op)
+    scores: str | None = None
+    scale: str | None = None
+    softcap: str | None = None
+    mask: str | None = None  # the Add/Where putting the mask on the scores
+    softmax: str | None = None
+    pv: str | None = None
+    cache: dict[str, str] = field(default_factory=dict)  # kind -> Concat(past, new) or the attention op
+    past: dict[str, str] = field(default_factory=dict)  # kind -> graph input
+    window: int | None = None  # sliding window, when the graph shows one (GroupQueryAttention local_window_size)
+    residual_in: str | None = None  # tensors
+    residual_out: str | None = None  # None also when the sum lives only inside the next Skip norm
+    norms: list[str] = field(default_factory=list)  # input norm, post-attention norm
+    mlp: str | None = None  # SwiGLU | GeGLU | GELU | SiLU | None (not recognised)
+    fused_gate_up: bool = False
+    refused: str | None = None
+    nodes: dict[str, gs.Node] = field(default_factory=dict, repr=False, compare=False)  # name -> node, for passes
+
+    @property
+    def kind(self) -> str:
+        return f"{'attention' if self.attention == 'softmax' else self.attention}+{self.mlp or '?'}"
+
+    def to_json(self) -> dict:
+        if self.refused:
+            return {"index": self.index, "anchor": self.anchor, "refused": self.refused}
+        return {k: v for k, v in self.__dict__.items() if k != "nodes" and v not in (None, [], {}, False)} | {"kind": self.kind}
+
+
+@dataclass
+class DecoderMap:
+    layers: list[Layer] = field(default_factory=list)  # recognised ones, numbered 0..N-1
+    refused: list[Layer] = field(default_factory=list)  # candidates that are not a decoder layer
+    token_input: str | None = None
+    embedding: str | None = None
+    embedding_scale: str | None = None
+    final_norm: str | None = None
+    logits: str | None = None
+    final_softcap: str | None = None
+    mask_source: str | None = None
+    position_source: str | None = None
+    cache_layout: str = "none"
+
+    def to_json(self) -> dict:
+        glob = {k: v for k, v in self.__dict__.items() if k not in ("layers", "refused")}
+        return {"layers": len(self.layers), "kinds": sorted({layer.kind for layer in self.layers}),
+                **glob, "per_layer": [layer.to_json() for layer in self.layers],
+                "refused": [layer.to_json() for layer in self.refused]}
+
+    def summary(self) -> str:
+        kinds = ", ".join(f"{sum(x.kind == k for x in self.layers)}×{k}" for k in sorted({x.kind for x in self.layers}))
+        text = f"{len(self.layers)} layers ({kinds or 'none'}); cache {self.cache_layout}"
+        return text + (f"; {len(self.refused)} refused ({self.refused[0].anchor}: {self.refused[0].refused})"
+                       if self.refused else "")
+
+    def layer_of_past(self, name: str) -> int | None:
+        """The layer whose cache reads graph input `name`."""
+        return next((x.index for x in self.layers if name in x.past.values()), None)
+
+
+class Refused(Exception):
+    pass
+
+
+def decoder_map(graph: gs.Graph) -> DecoderMap:
+    """The DecoderMap of `graph` (see the module docstring)."""
+    dm, index = DecoderMap(), 0
+    inputs = {id(t) for t in graph.inputs}
+    for node in graph.nodes:
+        fused = node.op in FUSED_ATTENTION and (node.domain == "com.microsoft" or node.op == "Attention")
+        if node.op != "Softmax" and not fused:
+            continue
+        layer = Layer(index, node.name)
+        try:
+            (_fused(layer, node, inputs) if fused else _softmax(layer, node, inputs))
+            _block(layer, node if fused else layer.nodes[layer.pv])
+        except Refused as why:
+            layer.refused, layer.index, layer.nodes = str(why), -1, {}
+            dm.refused.append(layer)
+            continue
+        dm.layers.append(layer)
+        index += 1
+    _globals(dm, graph)
+    return dm
+
+
+# -- attention ------------------------------------------------------------------------------------
+def _producer(t: gs.Tensor) -> gs.Node | None:
+    return t.inputs[0] if isinstance(t, gs.Variable) and t.inputs else None
+
+
+def _remember(layer: Layer, node: gs.Node) -> str:
+    layer.nodes[node.name] = node
+    return node.name
+
+
+def _softmax(layer: Layer, softmax: gs.Node, inputs: set[int]) -> None:
+    layer.attention, layer.softmax = "softmax", softmax.name
+    t = softmax.inputs[0]
+    for _ in range(REACH):  # up to the scores MatMul
+        node = _producer(t)
+        if node is None:
+            raise Refused(f"Softmax '{softmax.name}': its input '{t.name}' is not computed from a MatMul(Q, Kᵀ)")
+        if node.op == "MatMul":
+            break
+        if node.op not in _SCORE_PATH:
+            raise Refused(f"Softmax '{softmax.name}': {node.op} '{node.name}' between the scores and the Softmax "
+                          "(expected MatMul(Q, Kᵀ) through scale, soft-cap, mask)")
+        variable = [x for x in node.inputs if constant_of(x) is None]
+        if node.op == "Tanh":
+            layer.softcap = node.name
+        elif node.op in ("Add", "Where") and len(variable) >= 2:
+            layer.mask = layer.mask or node.name
+        elif node.op in ("Mul", "Div") and len(variable) == 1 and layer.scale is None and layer.softcap is None:
+            layer.scale = node.name
+        t = node.inputs[1] if node.op == "Where" else next((x for x in node.inputs if _producer(x) is not None
+                                                             and _from_matmul(x)), node.inputs[0])
+    else:
+        raise Refused(f"Softmax '{softmax.name}': no MatMul(Q, Kᵀ) within {REACH} nodes above it")
+    scores = node
+    layer.scores = _remember(layer, scores)
+    t, pv = softmax.outputs[0], None
+    for _ in range(REACH):  # down to the PV MatMul
+        users = t.outputs
+        pv = next((u for u in users if u.op == "MatMul" and u.inputs[0] is t), None)
+        step = next((u for u in users if u.op in _PROB_PATH), None)
+        if pv is not None or step is None:
+            break
+        t = step.outputs[0]
+    if pv is None:
+        raise Refused(f"Softmax '{softmax.name}': its probabilities reach no MatMul(P, V)")
+    layer.pv = _remember(layer, pv)
+    layer.q, _, rope = _projection(scores.inputs[0], inputs, layer)
+    layer.rope = rope
+    layer.k, _, _ = _projection(scores.inputs[1], inputs, layer, "key")
+    layer.v, _, _ = _projection(pv.inputs[1], inputs, layer, "value")
+    if not (layer.q and layer.k and layer.v):
+        missing = [k for k in "qkv" if not getattr(layer, k)]
+        raise Refused(f"Softmax '{softmax.name}': no {'/'.join(missing)} projection (a MatMul of a weight) "
+                      f"within {REACH} nodes above its scores")
+    layer.fused_qkv = layer.q == layer.k == layer.v
+
+
+def _from_matmul(t: gs.Tensor) -> bool:
+    """The scores branch of an Add/Mul: a MatMul output a few score-path ops up (not the mask)."""
+    for _ in range(6):
+        node = _producer(t)
+        if node is None:
+            return False
+        if node.op == "MatMul":
+            return True
+        if node.op not in _SCORE_PATH:
+            return False
+        t = node.inputs[1] if node.op == "Where" else node.inputs[0]
+    return False
+
+
+def _weight(node: gs.Node) -> bool:
+    if node.op not in PROJECTIONS or len(node.inputs) < 2:
+        return False
+    if node.op != "MatMul":
+        return True
+    w, steps = node.inputs[1], 0
+    while constant_of(w) is None and steps < 4:
+        up = _producer(w)
+        if up is None or up.op not in ("Transpose", "DequantizeLinear", "Cast", "Reshape"):
+            return False
+        w, steps = up.inputs[0], steps + 1
+    return constant_of(w) is not None
+
+
+def _projection(t: gs.Tensor, inputs: set[int], layer: Layer, kind: str | None = None):
+    """(projection node name, its input, RoPE node) above `t`, breadth first within REACH nodes;
+    records the cache concat of `kind` on the way."""
+    frontier, seen, rope = [t], set(), None
+    while frontier and len(seen) < REACH:
+        following = []
+        for x in frontier:
+            if kind and id(x) in inputs and kind not in layer.past and len(x.shape or [0] * 4) == 4:
+                layer.past[kind] = x.name
+            node = _producer(x)
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            if _weight(node):
+                return _remember(layer, node), node.inputs[0], rope
+            if node.op not in _LAYOUT:
+                continue
+            if node.op == "RotaryEmbedding" or (node.op in ("Add", "Sub") and rope is None
+                                                and all((_producer(i) or gs.Node("")).op == "Mul" for i in node.inputs)):
+                rope = rope or node.name
+            if kind and node.op == "Concat" and len(node.inputs) == 2 and node.attrs.get("axis") in (2, -2):
+                layer.cache.setdefault(kind, node.name)
+            data = node.inputs if node.op in _ALL_INPUTS else node.inputs[:1]
+            following += [i for i in data if constant_of(i) is None]
+        frontier = following
+    return None, None, rope
+
+
+def _fused(layer: Layer, node: gs.Node, inputs: set[int]) -> None:
+    layer.attention = node.op
+    for kind, i in (("q", 0), ("k", 1), ("v", 2)):
+        if len(node.inputs) > i and node.inputs[i].name:
+            name, _, rope = _projection(node.inputs[i], inputs, layer, {"k": "key", "v": "value"}.get(kind))
+            setattr(layer, kind, name)
+            if kind == "q":
+                layer.rope = "fused" if node.attrs.get("do_rotary") else rope
+    if node.op == "GroupQueryAttention" and layer.q and not layer.k:
+        layer.k = layer.v = layer.q  # packed QKV
+    layer.fused_qkv = layer.q is not None and layer.q == layer.k == layer.v
+    slots = {"GroupQueryAttention": (3, 4), "MultiHeadAttention": (6, 7)}.get(node.op)
+    for kind, i in zip(("key", "value"), slots or ()):
+        if len(node.inputs) > i and node.inputs[i].name:
+            layer.cache[kind], layer.past[kind] = node.name, node.inputs[i].name
+    window = int(node.attrs.get("local_window_size", -1))
+    layer.window = window if window > 0 else None
+    if float(node.attrs.get("softcap", 0.0)) > 0:
+        layer.softcap = node.name
+    if not layer.q:
+        raise Refused(f"{node.op} '{node.name}': no query projection (a MatMul of a weight) above it")
+
+
+# -- residual stream and MLP -----------------------------------------------------------------------
+def _block(layer: Layer, attention_out: gs.Node) -> None:
+    """Residual in/out, norms and MLP kind, from the attention output down to the next residual add."""
+    q = layer.nodes.get(layer.q)
+    if q is not None and _producer(q.inputs[0]) is not None:
+        norm = _producer(q.inputs[0])
+        layer.norms.append(norm.name)
+    t = attention_out.outputs[0]
+    add = None
+    for _ in range(8):  # PV ─[layout]─ o_proj ─[bias]─ residual Add | Skip norm
+        users = [u for u in t.outputs]
+        add = next((u for u in users if u.op == "Add" and all(constant_of(x) is None for x in u.inputs)
+                    and not _weight(u)), None)
+        skip = next((u for u in users if u.op in ("SkipSimplifiedLayerNormalization", "SkipLayerNormalization")), None)
+        if add is not None or skip is not None:
+            break
+        step = next((u for u in users if u.op in _OUT_PATH or _weight(u) or (u.op == "Add" and
+                     any(constant_of(x) is not None for x in u.inputs))), None)
+        if step is None:
+            return
+        t = step.outputs[0]
+    else:
+        return
+    if add is not None:
+        layer.residual_in = next(x.name for x in add.inputs if x is not t)
+        mid, post_input = add.outputs[0], None
+    else:
+        layer.residual_in = next((x.name for x in skip.inputs[:2] if x is not t), None)
+        if len(skip.outputs) < 4 or not skip.outputs[3].name:
+            return
+        mid, post_input = skip.outputs[3], skip.outputs[0]
+        layer.norms.append(skip.name)
+    users = mid.outputs + [c for u in mid.outputs if u.op == "Cast" for c in u.outputs[0].outputs]  # legacy: a Cast
+    out = next((u for u in users if u.op == "Add"), None)
+    nxt = next((u for u in users if u.op in ("SkipSimplifiedLayerNormalization", "SkipLayerNormalization")), None)
+    if out is not None:
+        layer.residual_out = out.outputs[0].name
+    elif nxt is not None and len(nxt.outputs) > 3 and nxt.outputs[3].name:
+        layer.residual_out = nxt.outputs[3].name
+    _mlp(layer, mid, post_input, out or nxt)
+
+
+def _mlp(layer: Layer, mid: gs.Tensor, post: gs.Tensor | None, stop: gs.Node | None) -> None:
+    """Kind of the MLP between the post-attention norm and the residual add `stop`."""
+    if post is None:  # the post norm: the producer of the first weight MatMul below `mid`
+        frontier, seen = [mid], 0
+        while frontier and post is None and seen < REACH:
+            t = frontier.pop(0)
+            for u in t.outputs:
+                seen += 1
+                if u is stop:
+                    continue
+                if _weight(u):
+                    post = u.inputs[0]
+                    break
+                frontier += u.outputs
+        if post is None:
+            return
+        if _producer(post) is not None:
+            layer.norms.append(_producer(post).name)
+    ups = [u for u in post.outputs if _weight(u)]
+    ops, frontier, seen = set(), [u.outputs[0] for u in ups if u.outputs], set()
+    while frontier and len(seen) < REACH:
+        t = frontier.pop(0)
+        for u in t.outputs:
+            if u is stop or id(u) in seen or _weight(u):
+                continue
+            seen.add(id(u))
+            ops.add(u.op)
+            frontier += u.outputs
+    gated = len(ups) >= 2 or bool(ops & {"Split", "Slice"})
+    layer.fused_gate_up = len(ups) == 1 and gated
+    act = next((_GLU[op] for op in ("Sigmoid", "QuickGelu", "Swish", "Erf", "Gelu", "FastGelu", "BiasGelu", "Tanh")
+                if op in ops), None)
+    if act is None:
+        return
+    layer.mlp = act if gated else {"SwiGLU": "SiLU", "GeGLU": "GELU"}[act]
+
+
+# -- global ---------------------------------------------------------------------------------------
+def _globals(dm: DecoderMap, graph: gs.Graph) -> None:
+    for t in graph.inputs:
+        dtype = np.dtype(t.dtype) if t.dtype is not None else None
+        lookup = next((u for u in t.outputs if u.op in ("Gather", "GatherBlockQuantized")
+                       and u.inputs[1] is t), None)
+        if lookup is not None and dtype is not None and dtype.kind in "iu":
+            dm.token_input, dm.embedding = t.name, lookup.name
+            scale = next((u for u in lookup.outputs[0].outputs if u.op == "Mul"
+                          and any(constant_of(x) is not None for x in u.inputs)), None)
+            dm.embedding_scale = scale.name if scale is not None else None
+            break
+    else:
+        dm.token_input = next((t.name for t in graph.inputs if t.name in ("inputs_embeds", "hidden_states")), None)
+    logits = next((o for o in graph.outputs if o.name == "logits"), graph.outputs[0] if graph.outputs else None)
+    node = _producer(logits) if logits is not None else None
+    for _ in range(6):  # [final soft-cap: Div · Tanh · Mul] above the lm_head
+        if node is None or _weight(node):
+            break
+        if node.op == "Tanh":
+            dm.final_softcap = node.name
+        node = _producer(next((x for x in node.inputs if constant_of(x) is None), node.inputs[0]))
+    if node is not None and _weight(node):
+        dm.logits = node.name
+        norm = _producer(node.inputs[0])
+        dm.final_norm = norm.name if norm is not None else None
+    names = {t.name for t in graph.inputs}
+    dm.mask_source = next((n for n in MASK_NAMES if n in names), None) or _mask_input(dm, graph)
+    dm.position_source = "position_ids" if "position_ids" in names else None
+    if dm.layers and dm.layers[0].cache:
+        first = dm.layers[0]
+        fused = first.cache.get("key") == first.anchor
+        past = next((t for t in graph.inputs if t.name == first.past.get("key")), None)
+        shape = "[batch, kv_heads, past, head_dim]" if past is None or past.shape is None or len(past.shape) == 4 \
+            else str(list(past.shape))
+        dm.cache_layout = f"{shape} ({first.attention} past/present)" if fused else f"{shape} (Concat on axis 2)"
+
+
+def _mask_input(dm: DecoderMap, graph: gs.Graph) -> str | None:
+    """An integer rank-2 input that is neither the tokens nor the positions (the 2-D padding mask)."""
+    for t in graph.inputs:
+        if t.name != dm.token_input and t.shape is not None and len(t.shape) == 2 and t.name != "position_ids" \
+                and t.dtype is not None and np.dtype(t.dtype).kind in "iu":
+            return t.name
+    return None

@@ -1,0 +1,68 @@
+"""DecoderMap on every exporter of the test set, and a layer it does not recognise.
+
+Per layer: q/k/v projections, scores/PV (or the fused attention op), norms, residual in/out, the
+MLP kind, the cache concat of each kind; the numbering agrees with the kv-cache detector's
+(`find_caches`: layer i reads the same past inputs). A Softmax that is not where a decoder's is
+becomes a per-layer refusal that `mtkc check` prints, with exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+
+import onnx
+import onnx_graphsurgeon as gs
+import pytest
+
+from mtkc.analysis.decoder import decoder_map
+from mtkc.ir.model import load
+from mtkc.passes.kv_cache.detect import find_caches
+
+QWEN = ["legacy14", "legacy17", "dynamo", "hf", "hf-ortfused", "dynamo-ortfused", "ortopt", "hf-generate",
+        "dynamo-cacheobj", "genai-fp32", "genai-int4", "genai-int4-acc1"]
+CASES = [("qwen2", e, True) for e in QWEN] + [("qwen2", e, False) for e in QWEN[:7]] \
+    + [("llama", e, True) for e in ("legacy17", "dynamo", "hf", "hf-ortfused", "ortopt", "genai-fp32")]
+FUSED = {"genai-fp32": "GroupQueryAttention", "genai-int4": "GroupQueryAttention",
+         "genai-int4-acc1": "GroupQueryAttention", "dynamo-ortfused": "MultiHeadAttention"}
+
+
+@pytest.mark.parametrize("family,exporter,cache", CASES)
+def test_every_exporter_maps_two_layers(exported, family, exporter, cache):
+    graph = load(exported(family, exporter, cache)).graph
+    dm = decoder_map(graph)
+    assert [x.refused for x in dm.refused] == [] and len(dm.layers) == 2
+    attention = FUSED.get(exporter, "softmax")
+    for i, layer in enumerate(dm.layers):
+        assert (layer.index, layer.attention, layer.mlp) == (i, attention, "SwiGLU")
+        assert layer.q and layer.k and layer.v and len(layer.norms) == 2 and layer.rope
+        assert layer.residual_in and (layer.residual_out or i == 1 and "Skip" in dm.final_norm)
+        if attention == "softmax":
+            assert layer.scores and layer.pv and layer.mask and layer.softcap is None
+        assert set(layer.cache) == ({"key", "value"} if cache else set())
+    assert dm.token_input == "input_ids" and dm.embedding and dm.logits and dm.final_norm
+    assert dm.mask_source == ("attention_mask" if exporter != "hf-generate" else None) and (dm.cache_layout != "none") == cache
+    if cache and attention == "softmax":  # one layer numbering: the kv-cache detector's
+        assert [x.past for x in dm.layers] == \
+            [{k: t.name for k, t in layer.past.items()} for layer in find_caches(graph)]
+    json.dumps(dm.to_json())
+
+
+def test_an_unrecognised_layer_is_refused_with_its_reason(exported, run_cli, tmp_path):
+    """A Clip between layer 1's mask and its Softmax: layer 0 stays, layer 1 is refused, check exits 0."""
+    model = onnx.load(str(exported("qwen2", "legacy17", False)))
+    graph = gs.import_onnx(model)
+    softmax = [n for n in graph.nodes if n.op == "Softmax"][1]
+    clipped = gs.Variable("clipped", softmax.inputs[0].dtype, softmax.inputs[0].shape)
+    graph.nodes.append(gs.Node("Clip", "odd/Clip", inputs=[softmax.inputs[0]], outputs=[clipped]))
+    softmax.inputs[0] = clipped
+    path = tmp_path / "model.onnx"
+    onnx.save(gs.export_onnx(graph.toposort()), str(path))
+    code, out, err = run_cli("check", path, "--sdk", "8.0", "--format", "json", "--seq-len", "8")
+    assert code == 0, err
+    decoder = json.loads(out)["decoder"]
+    assert decoder["layers"] == 1 and [x["anchor"] for x in decoder["refused"]] == [softmax.name]
+    assert decoder["refused"][0]["refused"] == \
+        f"Softmax '{softmax.name}': Clip 'odd/Clip' between the scores and the Softmax " \
+        "(expected MatMul(Q, Kᵀ) through scale, soft-cap, mask)"
+    code, out, err = run_cli("check", path, "--sdk", "8.0", "--seq-len", "8")
+    assert code == 0 and "decoder     1 layers (1×attention+SwiGLU); cache none; 1 refused (" in out, out + err
