@@ -99,4 +99,5 @@ class FusedMatMul(Rule):
 class ContribOps(RulePass):
     name = "contrib-ops"
     description = "com.microsoft ops the SDK table lacks (FusedMatMul) -> ONNX ops (MatMul, Transpose, Mul)"
+    before = ("fold",)  # a constant operand's Transpose is folded
     rules = (FusedMatMul(),)

@@ -196,6 +196,7 @@ def _mask_input(graph: gs.Graph) -> gs.Variable | None:
 class GroupQueryAttentionPass(Pass):
     name = "gqa"
     description = "com.microsoft GroupQueryAttention (packed/separate QKV, in-op rotary, past/present) -> plain ops"
+    before = ("mask-early", "kv-cache")  # its cache becomes a Concat(past, new, axis=2) first
 
     def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
         result = PassResult()

@@ -1,8 +1,9 @@
 """Default pass pipelines: an ordered list of pass names per SDK.
 
-Every entry is a pass name; a name whose pass is not registered is skipped (debug note), and
-a pass whose `applies(ctx)` is false for the target is skipped and reported. So the list can
-name passes before they land, and one list serves every SDK unless one needs another order.
+Every entry is a pass name; a name whose pass is not registered is an error (exit 2), and
+a pass whose `applies(ctx)` is false for the target is skipped and reported. So
+one list serves every SDK unless one needs another order. Order rules are declared on the passes
+(`requires`, `before`, `after`) and checked when the pipeline is resolved.
 """
 
 from __future__ import annotations

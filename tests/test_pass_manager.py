@@ -16,6 +16,7 @@ from mtkc.ir import execute
 from mtkc.ir.model import load
 from mtkc.manager.pass_manager import Pipeline, builtin_passes, load_registry, resolve_pipeline, run_pipeline
 from mtkc.options import Layer, build
+from mtkc.passes import pipelines
 from mtkc.passes.pipelines import default_pipeline
 from mtkc.pipeline.config import load_config
 from mtkc.rewrite.pass_api import Context, Pass, PassResult
@@ -146,6 +147,71 @@ def test_default_pipeline_skips_unregistered_and_skip_pass(table):
 def test_exact_pass_list_keeps_order(table):
     names = resolve_pipeline(load_registry(), Context(table, {}), ["swiglu", "fold"]).names
     assert names == ["swiglu", "fold"]
+
+
+def test_an_unregistered_default_name_is_an_input_error(table, monkeypatch):
+    monkeypatch.setitem(pipelines.BY_SDK, SDK, ["fold", "not-landed-yet"])
+    with pytest.raises(InputError, match=r"default pipeline: pass 'not-landed-yet' is not registered"):
+        resolve_pipeline(load_registry(), Context(table, {}))
+
+
+def test_declared_order_is_checked_when_the_pipeline_is_resolved(table):
+    """contrib-ops declares before = ("fold",); a requires on an absent or later pass is refused."""
+    registry = load_registry()
+    with pytest.raises(InputError, match=r"pass 'contrib-ops' \(built-in\) must run before 'fold'"):
+        resolve_pipeline(registry, Context(table, {}), ["fold", "contrib-ops"])
+    assert resolve_pipeline(registry, Context(table, {}), ["contrib-ops", "fold"]).names == ["contrib-ops", "fold"]
+
+    class Needs(Pass):
+        name, requires = "needs-fold", ("fold",)
+
+    class Typo(Pass):
+        name, before = "typo-order", ("flod",)
+
+    registry.passes.update({"needs-fold": Needs, "typo-order": Typo})
+    with pytest.raises(InputError, match=r"pass 'needs-fold' .* requires 'fold' to run before it, absent from"):
+        resolve_pipeline(registry, Context(table, {}), ["needs-fold"])
+    with pytest.raises(InputError, match=r"requires 'fold' to run before it, later in"):
+        resolve_pipeline(registry, Context(table, {}), ["needs-fold", "fold"])
+    with pytest.raises(InputError, match=r"pass 'typo-order' .*: before 'flod' names no pass"):
+        resolve_pipeline(registry, Context(table, {}), ["typo-order"])
+
+
+def test_analyses_are_cached_until_a_pass_changes_the_graph(small, table):
+    """One count per graph state: a pass that changes nothing or preserves it keeps the cached one."""
+
+    def op_count(graph):
+        return len(graph.nodes)
+
+    seen = []
+
+    class Look(Pass):
+        name = "look"
+
+        def run(self, graph, ctx):
+            seen.append(ctx.analysis(op_count, graph))
+            return PassResult()
+
+    class DropIdentity(Look):
+        name = "drop-identity"
+
+        def run(self, graph, ctx):
+            node = next(n for n in graph.nodes if n.op == "Identity")
+            node.outputs[0].outputs[0].inputs[0] = node.inputs[0]
+            node.outputs.clear()
+            return PassResult(rewrites=1)
+
+    class Keeps(DropIdentity):
+        name, preserves = "keeps", ("op_count",)
+
+    model = load(small)
+    ctx = Context(table, {}, model.root, model.values)
+    run_pipeline(model.graph, Pipeline([Look(), Look(), DropIdentity(), Look()], []), ctx)
+    assert seen == [4, 4, 3] and ctx.analyses.computed == {"op_count": 2}
+    ctx, seen[:] = Context(table, {}, model.root, model.values), []
+    model = load(small)
+    run_pipeline(model.graph, Pipeline([Look(), Keeps(), Look()], []), ctx)
+    assert seen == [4, 4] and ctx.analyses.computed == {"op_count": 1}  # (declared preserved: kept, stale)
 
 
 # --- config ---------------------------------------------------------------------------------

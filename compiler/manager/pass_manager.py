@@ -192,10 +192,10 @@ def resolve_pipeline(
     else:
         names = []
         for name in default_pipeline(ctx.sdk):
-            if name in registry.passes:
-                names.append(name)
-            else:
-                log.debug("pipeline: '%s' is not registered yet; skipped", name)
+            if name not in registry.passes:
+                raise InputError(f"default pipeline: pass '{name}' is not registered; "
+                                 f"passes: {', '.join(sorted(registry.names()))}")
+            names.append(name)
         for name in registry.enabled:
             after = registry.get(name).after
             if after is not None and after not in registry.names():
@@ -214,7 +214,27 @@ def resolve_pipeline(
             skipped.append((name, f"does not apply to SDK {ctx.sdk}"))
             continue
         chosen.append(instance)
+    _check_order(registry, chosen)
     return Pipeline(chosen, skipped)
+
+
+def _check_order(registry: Registry, chosen: list[Pass]) -> None:
+    """Every declared `requires` / `before` / `after` of the chosen passes holds (else InputError)."""
+    at = {p.name: i for i, p in enumerate(chosen)}
+    for i, p in enumerate(chosen):
+        where = f"pass '{p.name}' ({p.origin})"
+        for kind, names in (("requires", p.requires), ("before", p.before), ("after", (p.after,) if p.after else ())):
+            for name in names:
+                if name not in registry.names():
+                    raise InputError(f"{where}: {kind} {name!r} names no pass; "
+                                     f"passes: {', '.join(sorted(registry.names()))}")
+                if kind == "requires" and at.get(name, i) >= i:
+                    raise InputError(f"{where} requires '{name}' to run before it, "
+                                     f"{'later in' if name in at else 'absent from'} the pipeline")
+                if kind == "before" and at.get(name, i + 1) < i:
+                    raise InputError(f"{where} must run before '{name}', which comes first in the pipeline")
+                if kind == "after" and at.get(name, -1) > i:
+                    raise InputError(f"{where} must run after '{name}', which comes later in the pipeline")
 
 
 # --- running --------------------------------------------------------------------------------
@@ -270,6 +290,8 @@ def run_pipeline(
         result = guarded(p, "run", p.run, graph, ctx)
         if not isinstance(result, PassResult):
             raise PassError(f"pass '{p.name}' ({p.origin}) returned {type(result).__name__}, not a PassResult")
+        if result.changed or len(graph.nodes) != nodes_before:
+            ctx.analyses.invalidate(graph, tuple(p.preserves))
         invariants.restore(graph, p.name)
         after = invariants.loose_tensors(graph) if invariants.shapes_bound(graph) else None
         if after is not None and _new_loose(after, loose):

@@ -72,6 +72,26 @@ class PassResult:
         return self.rewrites > 0
 
 
+class Analyses:
+    """Analyses cached per graph (`ctx.analysis(decoder_map, graph)`): computed once, kept until a
+    pass that changed the graph and does not list the analysis in its `preserves` has run."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[int, str], tuple[gs.Graph, Any]] = {}
+        self.computed: dict[str, int] = {}  # analysis name -> times computed (for tests and stats)
+
+    def get(self, analysis: Callable[[gs.Graph], Any], graph: gs.Graph) -> Any:
+        key = (id(graph), analysis.__name__)
+        if key not in self._cache or self._cache[key][0] is not graph:
+            self._cache[key] = (graph, analysis(graph))
+            self.computed[analysis.__name__] = self.computed.get(analysis.__name__, 0) + 1
+        return self._cache[key][1]
+
+    def invalidate(self, graph: gs.Graph, keep: tuple[str, ...] = ()) -> None:
+        for key in [k for k in self._cache if k[0] == id(graph) and k[1] not in keep]:
+            del self._cache[key]
+
+
 @dataclass
 class Context:
     """What a pass may consult: the target table, the typed compile options, how to read a weight.
@@ -85,9 +105,14 @@ class Context:
     options: Options = field(default_factory=Options)
     root: Path | None = None  # folder of the source model's external data
     read_values: Callable[[gs.Constant], Any] | None = None
+    analyses: Analyses = field(default_factory=Analyses, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.options = options_of(self.options)
+
+    def analysis(self, analysis: Callable[[gs.Graph], Any], graph: gs.Graph) -> Any:
+        """`analysis(graph)`, cached until a pass changes the graph (see `Analyses`)."""
+        return self.analyses.get(analysis, graph)
 
     @property
     def sdk(self) -> str:
@@ -103,6 +128,10 @@ class Pass:
                   (appended at the end when unset or absent)
       changes_io  True if it may change graph inputs/outputs (names, dtypes, shapes) without
                   overriding map_feeds/map_outputs; else the manager refuses such a change
+      requires    passes that must run earlier in the same pipeline whenever this one runs
+      before      passes this one must precede when both are in the pipeline (`after` likewise,
+                  one name); checked when the pipeline is resolved (a violation is exit 2)
+      preserves   names of the analyses (`ctx.analysis`) still valid after this pass changed the graph
     `origin` is filled in by the registry: "built-in", "plugin <file or module>",
     or "<distribution> <version>" for an entry point.
     """
@@ -113,6 +142,9 @@ class Pass:
     idempotent: bool = True
     after: str | None = None
     changes_io: bool = False
+    requires: tuple[str, ...] = ()
+    before: tuple[str, ...] = ()
+    preserves: tuple[str, ...] = ()
 
     def applies(self, ctx: Context) -> bool:
         return True

@@ -22,6 +22,7 @@ from mtkc.rewrite.pass_api import Context, Pass, PassResult, register
 class KvCacheIo(Pass):
     name = "kv-cache-io"
     description = "present_* outputs: new entries [1,Hkv,T,D] (cache_io=new) or the slid cache [1,Hkv,C,D]"
+    before = ("layer-chunks",)
     changes_io = True  # also drops inputs that became unused and puts the I/O in contract order
 
     def applies(self, ctx: Context) -> bool:

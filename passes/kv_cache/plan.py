@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import onnx_graphsurgeon as gs
 
+from mtkc.analysis.decoder import decoder_map
 from mtkc.contract import cache as layouts
 from mtkc.errors import InputError
-from mtkc.passes.kv_cache.detect import ATTENTION_OPS, find_caches
 
 DEFAULT_SEQ_LEN = layouts.DEFAULT_SEQ_LEN
 DEFAULT_CACHE_LEN = layouts.DEFAULT_CACHE_LEN
@@ -42,16 +42,14 @@ def chunk_ranges(layers: int, chunks: int) -> list[range]:
     return [range(a, b) for a, b in itertools.pairwise(bounds)]
 
 
-def count_layers(graph: gs.Graph) -> int:
-    """Decoder layers: cache layers found by structure, else attentions (Softmax or attention ops)."""
-    return len(find_caches(graph)) or sum(1 for n in graph.nodes if n.op == "Softmax" or n.op in ATTENTION_OPS)
-
-
 def variants(graph: gs.Graph, options: dict) -> list[Variant]:
-    """The graphs to produce: `model`, or prefill/decode (per chunk) for a KV-cache decoder."""
-    kv = options.kv_cache
+    """The graphs to produce: `model`, or prefill/decode (per chunk) for a KV-cache decoder.
+
+    Layers and "has a cache" are the DecoderMap's (`mtkc.analysis.decoder`): a refused candidate
+    is no layer; a layer whose k/v path reads a past input has a cache."""
+    kv, dm = options.kv_cache, decoder_map(graph)
     if kv is None:
-        kv = bool(find_caches(graph)) or any(n.op == "GroupQueryAttention" for n in graph.nodes)
+        kv = any(layer.past for layer in dm.layers)
     if not kv:
         return [Variant("model", {})]
     seq_len = options.seq_len or DEFAULT_SEQ_LEN
@@ -62,7 +60,7 @@ def variants(graph: gs.Graph, options: dict) -> list[Variant]:
         raise InputError(f"--cache-io {cache_io}: expected one of {', '.join(CACHE_IO)}")
     if seq_len < 1 or cache_len < 1:
         raise InputError(f"--seq-len/--cache-len must be >= 1 (got {seq_len}/{cache_len})")
-    layers = count_layers(graph)
+    layers = len(dm.layers)
     if layers or chunks != 1:
         chunk_ranges(layers, chunks)
     max_pos = options.max_positions or seq_len + cache_len  # one RoPE table for both graphs
