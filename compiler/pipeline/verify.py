@@ -36,7 +36,6 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.backend.manifest import sha256
-from mtkc.backend.outdir import read_manifest
 from mtkc.contract import exporters, io
 from mtkc.contract import mask as contract_mask
 from mtkc.contract.positions import rope_rows
@@ -44,6 +43,7 @@ from mtkc.display import escape
 from mtkc.errors import InputError
 from mtkc.ir.compare import compare
 from mtkc.ir.model import read_proto
+from mtkc.ir.outdir import read_manifest
 from mtkc.passes.kv_cache import export_names
 from mtkc.pipeline.oracle import NEW_TOKENS, Generation, Original, OriginalRun, compare_generation, prompts
 from mtkc.runtime.generate import Generator, host_table

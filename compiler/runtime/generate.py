@@ -30,12 +30,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from mtkc.backend.outdir import check_graph_file, confined, load_table, read_manifest
 from mtkc.contract import cache as layouts
 from mtkc.contract import io, mask, positions
 from mtkc.errors import InputError
 from mtkc.ir.model import ExternalValues, external_info
 from mtkc.ir.model_checks import ExternalDataError, external_fields, external_size, open_external
+from mtkc.ir.outdir import check_graph_file, confined, load_table, read_manifest
 from mtkc.runtime.sessions import Sessions
 
 log = logging.getLogger("mtkc")

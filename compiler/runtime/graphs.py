@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from mtkc.backend.outdir import check_graph_file
 from mtkc.errors import InputError, MismatchError
 from mtkc.ir.execute import session
+from mtkc.ir.outdir import check_graph_file
 from mtkc.runtime.sessions import NO_PREPACKING, Sessions
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from mtkc.backend.outdir import check_graph_file
+from mtkc.ir.outdir import check_graph_file
 
 NO_PREPACKING = "session.disable_prepacking"
 
