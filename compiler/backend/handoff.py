@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import importlib.util
+import json
 import os
 import re
 import select
@@ -40,17 +41,19 @@ from typing import Mapping
 import onnx
 import onnx_graphsurgeon as gs
 
+from mtkc.backend.outdir import PLAIN_NAME
 from mtkc.backend.partition import Partition
 from mtkc.backend.staging import LIVE_GROUPS
 from mtkc.backend.stitch import boundaries
 from mtkc.errors import ConverterError, InputError
 from mtkc.ir.model import load
 
-PLACEHOLDERS = ("input", "output", "arch", "sdk", "input_names", "input_shapes", "onnx", "tflite", "dla",
-                "calibration", "precision")
+PLACEHOLDERS = ("input", "output", "arch", "sdk", "input_names", "input_names_json", "input_shapes", "onnx", "tflite",
+                "dla", "calibration", "precision", "python")
 SCRIPT = "convert.sh"
 PATH_KEYS = ("input", "output", "onnx", "tflite", "dla", "calibration")
 OUT_MARK = "@MTKC_OUT@"  # stands for "$OUT" in convert.sh (shlex-safe characters)
+PYTHON_MARK = "@MTKC_PYTHON@"  # {python}: mtkc's interpreter when mtkc runs a step, "$PYTHON" in convert.sh
 MAX_BISECT_RUNS = 12  # 2**12 nodes pinned to one
 DEFAULT_TIMEOUT = 4 * 3600.0  # seconds per converter run; a real 7B partition takes minutes
 LOG_HEAD = LOG_TAIL = 64 << 10  # bytes of converter output kept from its start and its end
@@ -58,10 +61,10 @@ ERROR_LINE = re.compile(r"error|unsupport|not support|fail|fallback|invalid", re
 
 # MediaTek's Python API, run in a child process so a crash in it cannot take mtkc down.
 PY_CONVERT = """\
-import sys, mtk_converter
+import json, sys, mtk_converter
 src, dst, spec, names, shapes = sys.argv[1:6]
 converter = mtk_converter.OnnxConverter.from_model_proto_file(
-    src, input_names=names.split(','),
+    src, input_names=json.loads(names),
     input_shapes=[[int(d) for d in s.split(',') if d] for s in shapes.split(':')])
 converter.convert_to_tflite(output_file=dst, tflite_op_export_spec=spec)
 """
@@ -75,6 +78,7 @@ class Backend:
     steps: list[list[str]]
     runnable: bool
     reason: str = ""  # why it cannot run (when not runnable)
+    modules: tuple[str, ...] = ()  # Python modules its {python} steps import (convert.sh checks them first)
 
 
 @dataclass
@@ -98,6 +102,7 @@ class Job:
             "dla": f"dla/{self.key}.dla",
             "tflite": f"dla/{self.key}.tflite",
             "input_names": ",".join(self.input_names),
+            "input_names_json": json.dumps(self.input_names),  # names may hold commas
             "input_shapes": ":".join(",".join(str(d) for d in s) for s in self.input_shapes),
             "calibration": f"calibration/{self.key}",  # the partition's samples (`mtkc calibrate`)
         }
@@ -151,8 +156,9 @@ def mediatek_backend(converter: Mapping[str, str]) -> Backend:
     if not shutil.which(compile_[0]):
         return Backend("mediatek", [convert, compile_], False, f"{compile_[0]} not found")
     if importlib.util.find_spec("mtk_converter") is not None:
-        python = [sys.executable, "-c", PY_CONVERT, "{onnx}", "{tflite}", _export_spec(convert), "{input_names}", "{input_shapes}"]
-        return Backend("mediatek-python", [python, compile_], True)
+        python = ["{python}", "-c", PY_CONVERT, "{onnx}", "{tflite}", _export_spec(convert), "{input_names_json}",
+                  "{input_shapes}"]
+        return Backend("mediatek-python", [python, compile_], True, modules=("mtk_converter",))
     if shutil.which(convert[0]):
         return Backend("mediatek-cli", [convert, compile_], True)
     return Backend("mediatek", [convert, compile_], False, f"neither mtk_converter (Python) nor {convert[0]} found")
@@ -174,9 +180,10 @@ def run(
     backend = command_backend(converter_cmd) if converter_cmd else (
         quant.backend(converter or {}) if quant else mediatek_backend(converter or {}))
     todo = jobs(manifest)
+    _check_jobs(backend, todo)
     context = {"arch": str(manifest.get("arch") or ""), "sdk": str(manifest.get("sdk") or ""),
                "timeout": DEFAULT_TIMEOUT if timeout is None else float(timeout),
-               "precision": quant.precision if quant else ""}
+               "precision": quant.precision if quant else "", "python": sys.executable}
     _write_script(out / SCRIPT, backend, todo, context)
     section = {"backend": backend.name, "commands": [shlex.join(s) for s in backend.steps], "script": SCRIPT,
                **(quant.section() if quant else {})}
@@ -377,27 +384,60 @@ class _BoundedLog:
         return (bytes(self.head) + gap.encode() + b"".join(self.tail)).decode("utf-8", errors="replace")
 
 
+def _check_jobs(backend: Backend, todo: list[Job]) -> None:
+    """Before anything is written: partition names that become file names are plain, and no input
+    name holds the comma `{input_names}` joins them with."""
+    for job in todo:
+        for what, name in (("graph", job.graph), ("partition", job.id)):
+            if not PLAIN_NAME.fullmatch(name):
+                raise InputError(f"manifest.json: {what} name '{name}' is not a plain name ({PLAIN_NAME.pattern}); "
+                                 "nothing was written")
+    if any("{input_names}" in t for s in backend.steps for t in s):
+        for job in todo:
+            bad = next((n for n in job.input_names if "," in n), None)
+            if bad is not None:
+                raise InputError(f"partition {job.key}: input '{bad}' holds a comma, which {{input_names}} "
+                                 "cannot carry (use {input_names_json}, or rename the tensor)")
+
+
 def _write_script(path: Path, backend: Backend, todo: list[Job], context: dict) -> None:
-    """convert.sh: the exact commands, paths relative to the script's folder ("$OUT"), no mtkc needed."""
+    """convert.sh: the exact commands, every value quoted, paths relative to the script's folder
+    ("$OUT"), the interpreter `$MTKC_PYTHON` or `python3`; it checks what it needs first and
+    talks on stderr. No mtkc needed to run it."""
+    need = [(PYTHON_MARK if s[0] == "{python}" else s[0]) for s in backend.steps if s]
     lines = [
         "#!/bin/sh",
         f"# Written by mtkc: converts each NPU partition ({backend.name} back end).",
-        "set -e",
-        'OUT="$(cd "$(dirname "$0")" && pwd)"',
-        'mkdir -p "$OUT/dla"',
+        "set -eu",
+        "unset CDPATH",
+        'PYTHON="${MTKC_PYTHON:-python3}"',
+        "need() { printf 'convert.sh: %s\\n' \"$1\" >&2; exit 127; }",
     ]
+    for program in dict.fromkeys(need):
+        if program == PYTHON_MARK:
+            lines.append('command -v "$PYTHON" >/dev/null 2>&1 || need "$PYTHON not found (set MTKC_PYTHON)"')
+            for module in backend.modules:
+                lines.append(f'"$PYTHON" -c {shlex.quote("import " + module)} 2>/dev/null || need '
+                             f'"$PYTHON cannot import {module} (MediaTek NeuroPilot SDK); install it or set MTKC_PYTHON"')
+        else:
+            lines.append(f"command -v {shlex.quote(program)} >/dev/null 2>&1 || need "
+                         + shlex.quote(f"{program} not found on PATH"))
+    lines += ['OUT="$(cd -P -- "$(dirname -- "$0")" && pwd -P)"', 'mkdir -p "$OUT/dla"']
     for job in todo:
-        values = {**context, **job.values()}
+        values = {**context, **job.values(), "python": PYTHON_MARK}
         values.update((k, f"{OUT_MARK}/{values[k]}") for k in PATH_KEYS)
-        lines.append(f"# {job.graph}/{job.id}")
+        lines.append(f"printf 'convert.sh: %s\\n' {shlex.quote(f'{job.graph}/{job.id}')} >&2")
         for step in backend.steps:
             lines.append(" ".join(_sh(t.format_map(values)) for t in step))
+    lines.append(f"printf 'convert.sh: converted %s partition(s) into %s\\n' {len(todo)} \"$OUT/dla\" >&2")
     path.write_text("\n".join(lines) + "\n")
     path.chmod(0o755)
 
 
 def _sh(text: str) -> str:
-    """Shell-quote one argument, letting OUT_MARK expand as "$OUT"."""
+    """Shell-quote one argument, letting OUT_MARK expand as "$OUT" and PYTHON_MARK as "$PYTHON"."""
+    if text == PYTHON_MARK:
+        return '"$PYTHON"'
     if OUT_MARK not in text:
         return shlex.quote(text)
     return '"$OUT"'.join(shlex.quote(piece) if piece else "" for piece in text.split(OUT_MARK))

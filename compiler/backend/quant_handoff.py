@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import shlex
 import shutil
-import sys
 from dataclasses import dataclass
 
 from mtkc.backend import handoff
@@ -30,18 +29,18 @@ PRECISION = {"A16W16": "sym16W_sym16A", "A16W8": "sym8W_sym16A", "A16W4": "sym4W
 ATTESTED = {"sym8W_sym16A"}
 
 PY_QUANT = """\
-import glob, sys
+import glob, json, sys
 import numpy as np, mtk_converter
 src, dst, names, shapes, calibration, precision, spec = sys.argv[1:8]
-names = names.split(',')
+names = json.loads(names)
 converter = mtk_converter.OnnxConverter.from_model_proto_file(
     src, input_names=names,
     input_shapes=[[int(d) for d in s.split(',') if d] for s in shapes.split(':')])
 
 def samples():
     for path in sorted(glob.glob(calibration + '/*.npz')):
-        with np.load(path) as data:
-            yield [data[name] for name in names]
+        with np.load(path, allow_pickle=False) as data:
+            yield [data[name].astype(np.float32) if data[name].dtype == np.float16 else data[name] for name in names]
 
 converter.quantize = True
 converter.use_per_output_channel_quantization = True
@@ -68,16 +67,18 @@ class Quant:
         plain = handoff.mediatek_backend(converter)
         compile_ = shlex.split(converter.get("compile", ""))
         spec = handoff._export_spec(shlex.split(converter.get("convert", "")))
-        python = [sys.executable, "-c", PY_QUANT, "{onnx}", "{tflite}", "{input_names}", "{input_shapes}",
+        python = ["{python}", "-c", PY_QUANT, "{onnx}", "{tflite}", "{input_names_json}", "{input_shapes}",
                   "{calibration}", "{precision}", spec]
         steps = [python] + ([compile_] if compile_ else [])
+        modules = ("mtk_converter",)
         if not compile_:
-            return handoff.Backend("mediatek-quant", steps, False, plain.reason)
-        if not shutil.which(compile_[0]):
-            return handoff.Backend("mediatek-quant", steps, False, f"{compile_[0]} not found")
-        if importlib.util.find_spec("mtk_converter") is None:
-            return handoff.Backend("mediatek-quant", steps, False, "mtk_converter (Python) not found; quantising needs its API")
-        return handoff.Backend("mediatek-quant", steps, True)
+            return handoff.Backend("mediatek-quant", steps, False, plain.reason, modules)
+        missing = ([] if shutil.which(compile_[0]) else [f"{compile_[0]} (not on PATH)"]) + (
+            [] if importlib.util.find_spec("mtk_converter") else ["the Python module mtk_converter (not importable)"])
+        if missing:
+            return handoff.Backend("mediatek-quant", steps, False,
+                                   f"MediaTek's NeuroPilot SDK is needed: {' and '.join(missing)}", modules)
+        return handoff.Backend("mediatek-quant", steps, True, modules=modules)
 
     def section(self) -> dict:
         return {"quant": {"scheme": self.scheme, "precision_proportion": {self.precision: 1.0},

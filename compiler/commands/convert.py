@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from mtkc.backend.quant_handoff import PRECISION
 from mtkc.commands.options import add_common, print_json
 from mtkc.pipeline.convert import convert
+
+log = logging.getLogger("mtkc")
 
 
 def add_parser(subparsers) -> None:
@@ -36,8 +39,9 @@ def run(args: argparse.Namespace) -> int:
     section = convert(args.out, args.quant, args.converter_cmd, args.no_convert)
     if args.format == "json":
         print_json(section)
-    elif section.get("ran"):
-        print(f"converted {len(section['partitions'])} partition(s) with {args.quant}; logs in {args.out}/logs")
+    elif section.get("ran"):  # messages, not data: stderr
+        log.info("mtkc: converted %d partition(s) with %s; logs in %s/logs", len(section["partitions"]), args.quant,
+                 args.out)
     else:
-        print(f"not converted ({section['reason']})")
+        log.warning("mtkc: not converted (%s)", section["reason"])
     return 0

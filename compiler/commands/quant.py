@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 
+from mtkc.backend.calibration_data import index_prompts
 from mtkc.commands.options import print_json
 from mtkc.errors import InputError, MismatchError
 from mtkc.pipeline.quantsim import SCHEMES, format_text, parse_layers, simulate
@@ -48,13 +48,4 @@ def run_quant(args: argparse.Namespace) -> int:
 
 def calibration_prompts(out: str) -> list[list[int]]:
     """The prompts `mtkc calibrate` ran (its index), when none is given on the command line."""
-    from pathlib import Path
-
-    entry = load_manifest(Path(out)).get("calibration")
-    if not entry:
-        raise InputError(f"{out}/manifest.json: no calibration; run `mtkc calibrate {out} --prompts FILE` first")
-    try:
-        index = json.loads((Path(out) / entry["index"]).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InputError(f"{out}/{entry['index']}: cannot read the calibration index ({exc})") from None
-    return [p["ids"] for p in index["prompts"]]
+    return index_prompts(out, load_manifest(out))

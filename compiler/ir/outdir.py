@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from mtkc.ir.model_checks import validate_proto
 
 MANIFEST = "manifest.json"
 MAX_DIM = 2**31
+PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")  # graph and partition names: they become file names
 
 
 def read_manifest(out: str | os.PathLike) -> dict:
@@ -88,6 +90,7 @@ def _check_shape(data, path: Path, out) -> None:
         where = f"graphs[{g}]"
         need(isinstance(graph, dict), where, "expected an object")
         need(isinstance(graph.get("name"), str), f"{where}.name", "missing or not a string")
+        need(bool(PLAIN_NAME.fullmatch(graph["name"])), f"{where}.name", f"not a plain name ({PLAIN_NAME.pattern})")
         confined(out, graph.get("path"), f"{where}.path")
         for key in ("inputs", "outputs"):
             _check_specs(graph.get(key), f"{where}.{key}", need)
@@ -97,6 +100,7 @@ def _check_shape(data, path: Path, out) -> None:
             pwhere = f"{where}.partitions[{p}]"
             need(isinstance(part, dict), pwhere, "expected an object")
             need(isinstance(part.get("id"), str), f"{pwhere}.id", "missing or not a string")
+            need(bool(PLAIN_NAME.fullmatch(part["id"])), f"{pwhere}.id", f"not a plain name ({PLAIN_NAME.pattern})")
             need(part.get("target") in ("npu", "cpu"), f"{pwhere}.target", "expected 'npu' or 'cpu'")
             confined(out, part.get("path"), f"{pwhere}.path")
             for key in ("inputs", "outputs"):

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mtkc.backend.calibration_data import FOLDER, folder_name
 from mtkc.backend.deliver import _write
 from mtkc.backend.manifest import dumps
 from mtkc.backend.staging import staged
@@ -34,7 +35,6 @@ from mtkc.runtime.prompts import Prompt
 
 log = logging.getLogger("mtkc")
 
-FOLDER = "calibration"
 MIN_SAMPLES = 200  # MediaTek's guidance: 200-500 representative prompts
 PERCENTILES = (0.1, 1.0, 50.0, 99.0, 99.9)
 SUBSAMPLE = 4096  # values kept per tensor per sample for the percentiles
@@ -47,10 +47,6 @@ class Plan:
 
     samples: dict[str, int] = field(default_factory=dict)
     bytes: int = 0
-
-
-def folder_name(graph: dict, part: dict) -> str:
-    return f"{graph['name']}.{part['id']}"
 
 
 def npu_partitions(manifest: dict) -> list[tuple[dict, dict]]:
@@ -170,17 +166,6 @@ def save_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
             info = zipfile.ZipInfo(f"{key}.npy", date_time=_ZIP_TIME)
             with archive.open(info, "w", force_zip64=True) as f:
                 np.lib.format.write_array(f, np.ascontiguousarray(arrays[key]), allow_pickle=False)
-
-
-def load_samples(out: Path, manifest: dict, folder: str) -> list[Path]:
-    """The stored sample files of one NPU partition folder, in order (InputError when absent)."""
-    entry = manifest.get("calibration")
-    if not entry:
-        raise InputError(f"{out}/manifest.json: no calibration; run `mtkc calibrate {out} --prompts FILE` first")
-    files = sorted((Path(out) / entry["path"] / folder).glob("*.npz"))
-    if not files:
-        raise InputError(f"{out}/{entry['path']}/{folder}: no calibration samples for this partition")
-    return files
 
 
 def _warn_thin(prompts: list[Prompt], expected: Plan) -> None:

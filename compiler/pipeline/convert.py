@@ -8,7 +8,8 @@ from pathlib import Path
 from mtkc.backend import handoff
 from mtkc.backend.quant_handoff import PRECISION, Quant
 from mtkc.errors import InputError
-from mtkc.pipeline.calibrate import folder_name, load_samples, npu_partitions, save_manifest
+from mtkc.backend.calibration_data import check_samples, folder_name, sample_files
+from mtkc.pipeline.calibrate import npu_partitions, save_manifest
 from mtkc.pipeline.verify import load_manifest
 from mtkc.target.capability import load_table
 
@@ -20,8 +21,8 @@ def convert(out: str | Path, scheme: str, converter_cmd: str | None = None, no_c
         raise InputError(f"--quant {scheme}: expected one of {', '.join(PRECISION)}")
     out = Path(out)
     manifest = load_manifest(out)
-    for graph, part in npu_partitions(manifest):
-        load_samples(out, manifest, folder_name(graph, part))  # InputError naming the partition without samples
+    for graph, part in npu_partitions(manifest):  # every sample checked before the converter sees one
+        check_samples(sample_files(out, manifest, folder_name(graph, part)), part["inputs"])
     table = load_table(str(manifest["sdk"]), manifest.get("arch"))
     result = handoff.run(out, manifest, getattr(table, "converter", None), converter_cmd, no_convert, quant=Quant(scheme))
     manifest["converter"] = result.section

@@ -25,11 +25,12 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from mtkc.backend.calibration_data import folder_name, read_sample, sample_files
 from mtkc.contract import mask as contract_mask
 from mtkc.errors import InputError
 from mtkc.ir.execute import session
 from mtkc.ir.model import external_info
-from mtkc.pipeline.calibrate import folder_name, load_samples, npu_partitions
+from mtkc.pipeline.calibrate import npu_partitions
 from mtkc.pipeline.verify import load_manifest
 from mtkc.runtime.generate import Generator
 from mtkc.runtime.partitioned import GraphRunner, partition_sessions, use_partitions
@@ -153,8 +154,8 @@ class SampleReader:
     calibrator take them one at a time (`CalibStridedMinMax`: each sample's intermediate tensors
     are reduced to min/max before the next runs, so memory does not grow with the samples)."""
 
-    def __init__(self, files: list[Path]):
-        self.files = list(files)
+    def __init__(self, files: list[Path], inputs: list[dict]):
+        self.files, self.inputs = list(files), inputs
         self.position, self.end = 0, len(self.files)
 
     def set_range(self, start_index: int, end_index: int) -> None:
@@ -164,8 +165,7 @@ class SampleReader:
         if self.position >= self.end:
             return None
         self.position += 1
-        with np.load(self.files[self.position - 1], allow_pickle=False) as data:
-            return {k: data[k] for k in data.files}
+        return read_sample(self.files[self.position - 1], self.inputs)  # checked: untrusted OUT content
 
     def __len__(self) -> int:
         return len(self.files)
@@ -180,7 +180,7 @@ def quantize_partition(out: Path, manifest: dict, graph: dict, part: dict, schem
     from onnx.external_data_helper import load_external_data_for_model
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
-    files = load_samples(out, manifest, folder_name(graph, part))
+    files = sample_files(out, manifest, folder_name(graph, part))
     if samples and len(files) > samples:
         files = [files[k * len(files) // samples] for k in range(samples)]
     proto = raise_opset(onnx.load(str(out / part["path"]), load_external_data=False))
@@ -198,7 +198,7 @@ def quantize_partition(out: Path, manifest: dict, graph: dict, part: dict, schem
     logging.getLogger().setLevel(logging.ERROR)  # onnxruntime.quantization logs advice through the root logger
     try:
         quantize_static(
-            str(source), str(target), SampleReader(files), quant_format=QuantFormat.QDQ, per_channel=True,
+            str(source), str(target), SampleReader(files, part["inputs"]), quant_format=QuantFormat.QDQ, per_channel=True,
             activation_type=QuantType.QInt16 if a_bits == 16 else QuantType.QUInt8,
             weight_type={16: QuantType.QInt16, 8: QuantType.QInt8, 4: QuantType.QInt4}[w_bits],
             op_types_to_quantize=op_types,
