@@ -45,7 +45,8 @@ from mtkc.errors import InputError
 from mtkc.ir.compare import compare
 from mtkc.ir.model import read_proto
 from mtkc.passes.kv_cache import export_names
-from mtkc.pipeline.oracle import NEW_TOKENS, Generation, Original, OriginalRun, compare_generation, prompts
+from mtkc.pipeline.oracle import (LAST, NEW_TOKENS, Generation, Original, OriginalRun, compare_generation,
+                                  picks_positions, prompts)
 from mtkc.runtime.generate import Generator, host_table
 from mtkc.runtime.graphs import guarded, load_session, run_partitions, run_session
 from mtkc.runtime.sessions import Sessions
@@ -197,6 +198,8 @@ def build_feeds(original_inputs, compiled_inputs: list[dict], vocab: int, seed: 
             original[name] = positions.astype(dtype)[None]
         elif kv is not None:
             original[name] = rng.standard_normal(by_name[kv]["shape"]).astype(dtype)
+        elif picks_positions(name, arg.shape) and np.issubdtype(dtype, np.integer):
+            original[name] = np.array(LAST, dtype)  # its logits: the last position's row
         else:
             shape = [_resolve(d, k, dims, by_name.get(name)) for k, d in enumerate(arg.shape)]
             original[name] = (rng.integers(0, vocab, shape) if np.issubdtype(dtype, np.integer)
@@ -288,7 +291,7 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
     runs = original_runs(generator, manifest, reference, new_tokens, skipped)
     original_outputs = [o.name for o in reference.get_outputs()]
     original_outputs += [aliases[o] for o in original_outputs if o in aliases]
-    planned = list(_expected(manifest, reference, samples, host, aliases))
+    planned = list(_expected(manifest, reference, samples, host, aliases, source))
     del reference  # phase 2: the compiled graphs only
     generations = [guarded(lambda: compare_generation(generator, run, compare, atol, rtol, min_cosine), "generation")
                    for run in runs]
@@ -318,7 +321,7 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
     return Result(checks, skipped, samples, atol, rtol, min_cosine, generations, notes)
 
 
-def _expected(manifest: dict, reference, samples: int, host: Host, aliases: dict[str, str]):
+def _expected(manifest: dict, reference, samples: int, host: Host, aliases: dict[str, str], source: Path):
     """(chain, compiled feeds, the original's outputs) per chain and seeded sample."""
     for chain in chains(manifest.get("graphs", [])):
         host_inputs: dict[str, dict] = {}  # the chain's inputs that the host builds, first spec per name
@@ -372,6 +375,8 @@ def _record(worst: dict, skipped: list, graph: str, pipeline: str, name: str, va
             skipped.append(note)
         return
     want = expected[source]
+    if name == io.LOGITS and value.ndim == 3 and want.ndim == 2:
+        value = value[:, LAST]  # the original kept one position (logits_to_keep = LAST)
     if value.shape != want.shape and value.ndim == want.ndim == 4 and io.cache_name(name):
         want = want[:, :, -value.shape[2]:, :]  # new-entry-only present
     if value.shape != want.shape:
