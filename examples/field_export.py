@@ -38,3 +38,45 @@ def export_field_report(model, out_dir, half: bool = False, seq: int = 8) -> Pat
                           "logits": {0: "batch", 1: "sequence"}},
             opset_version=14, dynamo=False)
     return path
+
+
+def export_half(model, out_dir, cache: bool = True, opset: int = 17) -> Path:
+    """`model.half()` through the factory's TorchScript export (its wrapper, names and axes; float
+    trace inputs in fp16): the fp16 export users bring. Returns the path of `model.onnx`."""
+    import torch
+
+    import factory
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "model.onnx"
+    model = model.half()
+    feeds = tuple(t.half() if t.is_floating_point() else t for t in factory.trace_inputs(model.config, cache))
+    inputs, outputs = factory.io_names(model.config.num_hidden_layers, cache)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(factory.wrap(model, cache), feeds, str(path), dynamo=False, opset_version=opset,
+                          input_names=inputs, output_names=outputs,
+                          dynamic_axes=factory._dynamic_axes(model.config.num_hidden_layers, cache),
+                          do_constant_folding=True)
+    return path
+
+
+def export_genai_fp16(model, out_dir) -> Path:
+    """onnxruntime-genai's model builder in fp16 for CUDA (`-p fp16 -e cuda`; building needs no GPU):
+    fp16 GroupQueryAttention, fp16 cache I/O. Returns the path of `model.onnx`."""
+    import subprocess
+    import sys
+    import tempfile
+
+    import factory
+
+    out_dir = Path(out_dir)
+    with tempfile.TemporaryDirectory() as hf_dir:
+        factory.save_model(model, hf_dir)
+        factory._word_tokenizer(model.config.vocab_size).save_pretrained(hf_dir)
+        proc = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", hf_dir, "-o", str(out_dir),
+                               "-p", "fp16", "-e", "cuda"], capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"onnxruntime_genai.models.builder failed: {proc.stderr.strip()[-2000:]}")
+    return out_dir / "model.onnx"

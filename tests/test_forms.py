@@ -85,3 +85,76 @@ def test_verify_names_the_original_that_does_not_run(capsys, exported, tmp_path,
     code, _, err = mtkc(capsys, "verify", out, "--new-tokens", 0)
     assert code == 2, err
     assert "model.onnx: the original model does not run in onnxruntime: indices element out of data bounds" in err
+
+
+@pytest.fixture(scope="session")
+def half_export(tmp_path_factory, tiny_model):
+    """`half_export(kind, family)` -> model.onnx: "torchscript" (`model.half()`, cache) or "genai" (fp16 cuda)."""
+    import copy
+
+    import field_export
+
+    made = {}
+
+    def get(kind: str, family: str = "qwen2"):
+        if (kind, family) not in made:
+            model = copy.deepcopy(tiny_model(family))
+            folder = tmp_path_factory.mktemp(f"half-{kind}-{family}")
+            made[kind, family] = (field_export.export_half(model, folder) if kind == "torchscript"
+                                  else field_export.export_genai_fp16(model, folder))
+        return made[kind, family]
+
+    return get
+
+
+@pytest.mark.parametrize("kind,family", [("torchscript", "llama"), ("torchscript", "qwen2"), ("genai", "qwen2")])
+def test_fp16_exports_keep_their_dtype(capsys, half_export, tiny_model, tmp_path, kind, family):
+    """fp16 exports compile with fp16 cache I/O (the mask and positions stay the contract's), run,
+    verify (fp16 tolerances, noted) and generate the original export's tokens."""
+    import copy
+
+    import factory
+
+    out = tmp_path / "out"
+    code, _, err = mtkc(capsys, "compile", half_export(kind, family), "--sdk", "8.0", "--seq-len", 8, "--cache-len", 64,
+                        "-o", out)
+    assert code == 0, err
+    manifest = json.loads((out / "manifest.json").read_text())
+    dtypes = {i["name"]: i["dtype"] for g in manifest["graphs"] for i in g["inputs"] + g["outputs"]}
+    assert dtypes["past_key_0"] == dtypes["present_value_1"] == dtypes["logits"] == "float16"
+    assert dtypes["attention_mask"] == "float32"
+    code, stdout, err = mtkc(capsys, "verify", out, "--format", "json")
+    assert code == 0, stdout + err
+    result = json.loads(stdout)
+    assert result["atol"] == 1e-2 and any("fp16" in n for n in result["notes"])
+    assert len(result["generations"]) == 2 and all(g["ok"] for g in result["generations"])
+    if kind == "torchscript":  # transformers' own fp16 generate (genai's fp16 graph is CUDA's: verify ran it)
+        model = copy.deepcopy(tiny_model(family)).half()
+        prompt = PROMPTS[0]
+        assert generated(capsys, out, prompt) == factory.reference_generate(model, prompt, NEW)
+
+
+def test_a_pass_that_mixes_dtypes_is_a_bug_named():
+    """A built-in pass leaving Add(fp16, fp32) is exit 4 naming it; a plugin's is exit 2; the input's 2."""
+    import onnx_graphsurgeon as gs
+
+    from mtkc.errors import InputError, InternalError, PassError
+    from mtkc.manager.invariants import check_dtypes
+
+    a, b = gs.Variable("a", np.float16, [2]), gs.Variable("b", np.float32, [2])
+    graph = gs.Graph(nodes=[gs.Node("Add", "mix", inputs=[a, b], outputs=[gs.Variable("c", np.float16, [2])])],
+                     inputs=[a, b])
+
+    class Built:
+        name, origin = "rope", "built-in"
+
+    class Plugin:
+        name, origin = "mine", "plugin mine.py"
+
+    with pytest.raises(InternalError, match=r"pass 'rope' left node 'mix' \(Add\) mixes float16 and float32") as bug:
+        check_dtypes(graph, Built())
+    assert bug.value.exit_code == 4
+    with pytest.raises(PassError, match="pass 'mine'"):
+        check_dtypes(graph, Plugin())
+    with pytest.raises(InputError, match="input model"):
+        check_dtypes(graph, None, InputError)

@@ -134,7 +134,7 @@ class Original:
     def generate(self, prompt: list[int], new_tokens: int, observe: Callable[[np.ndarray], None]) -> list[int]:
         """Greedy tokens after `prompt`; `observe(logits [k, V])` per call, k = the tokens it fed."""
         sequence = list(prompt)
-        cache = {name: np.zeros(shape, np.float32) for name, shape in self.empty.items()}
+        cache = {name: np.zeros(shape, self.types[name] or np.float32) for name, shape in self.empty.items()}
         cached = 0
         out: list[int] = []
         while len(out) < new_tokens:

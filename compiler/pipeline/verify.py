@@ -52,6 +52,8 @@ from mtkc.runtime.graphs import guarded, load_session, run_partitions, run_sessi
 from mtkc.runtime.sessions import Sessions
 
 DYNAMIC_SEQ = 8  # tokens per sample when the compiled graph leaves the sequence length open
+TOLERANCE = 1e-3  # default atol and rtol
+TOLERANCE_FP16 = 1e-2  # for an fp16 export: ~10 fp16 steps (2^-10) of the largest logit
 
 
 @dataclass
@@ -256,7 +258,7 @@ def chains(graphs: list[dict]) -> list[list[dict]]:
     return list(groups.values())
 
 
-def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 1e-3, min_cosine: float = 0.999,
+def verify(out: str | Path, samples: int = 3, atol: float | None = None, rtol: float | None = None, min_cosine: float = 0.999,
            model: str | Path | None = None, new_tokens: int = NEW_TOKENS) -> Result:
     """The oracle (`new_tokens` greedy tokens per prompt, 0: off), then every
     manifest graph (partitions wired, and whole) compared with the original model.
@@ -284,6 +286,10 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
     proto = read_proto(Path(source))  # structure only: weights stay in the file
     aliases = _export_names(proto)  # cache I/O and logits the exporter named its own way
     notes = _notes(proto)
+    half = any(o.type == "tensor(float16)" for o in reference.get_outputs())
+    if half and (atol is None or rtol is None):
+        notes.append(f"the original computes in fp16: default atol/rtol {TOLERANCE_FP16:g}")
+    atol, rtol = (v if v is not None else TOLERANCE_FP16 if half else TOLERANCE for v in (atol, rtol))
     del proto
     skipped: list[str] = []
     host = Host.from_manifest(manifest, out)
