@@ -215,3 +215,29 @@ def test_qdq_with_a_cache_is_split_like_its_float_twin(capsys, qdq_cache, tmp_pa
     assert code == 0, err
     code, _, err = mtkc(capsys, "generate", flat, "--prompt-ids", "1,2,3", "--max-new-tokens", 2)
     assert code == 2 and "input 'past_key_values.0.key' is none the runtime feeds" in err, err
+
+
+def test_ort_optimised_graph_without_a_domain_import_is_accepted(capsys, exported, tiny_model, tmp_path):
+    """An ORT-optimised export (com.microsoft fused norms) whose opset imports lack com.microsoft
+    (Olive writes these; onnxruntime runs them) checks, compiles, verifies and generates transformers' tokens."""
+    import factory
+    import onnx
+    import onnxruntime as ort
+
+    model = onnx.load(exported("qwen2", "ortopt", cache=True))
+    assert any(n.domain == "com.microsoft" for n in model.graph.node)
+    kept = [o for o in model.opset_import if o.domain != "com.microsoft"]
+    del model.opset_import[:]
+    model.opset_import.extend(kept)
+    path = tmp_path / "olive.onnx"
+    onnx.save(model, path)
+    ort.InferenceSession(str(path))  # onnxruntime accepts it
+    code, _, err = mtkc(capsys, "check", path, "--sdk", "8.0", "--seq-len", 8, "--cache-len", 64)
+    assert code == 0, err
+    assert "uses domain 'com.microsoft' without an opset import; imported at version 1" in err
+    out = tmp_path / "out"
+    code, _, err = mtkc(capsys, "compile", path, "--sdk", "8.0", "--seq-len", 8, "--cache-len", 64, "-o", out)
+    assert code == 0, err
+    code, stdout, err = mtkc(capsys, "verify", out)
+    assert code == 0, stdout + err
+    assert generated(capsys, out, PROMPTS[1]) == factory.reference_generate(tiny_model(), PROMPTS[1], NEW)
