@@ -19,6 +19,12 @@ class PassError(MtkcError):
     exit_code = 2
 
 
+class InternalError(MtkcError):
+    """mtkc's own checks caught a bug in mtkc (a built-in pass broke the graph): exit 4, named."""
+
+    exit_code = 4
+
+
 class MismatchError(MtkcError):
     """Numerical verification failed (verify, --verify-each)."""
 

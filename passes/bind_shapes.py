@@ -17,7 +17,15 @@ value from, in order:
       (`kv_cache.cache_head_dims`, whatever their names)    entries appended to them / their attention op
 
 total = seq + cache when the graph has past inputs, else seq. `batch` defaults to 1 once any
-dim is bound. Refuses (Miss) a dim it cannot value; a static dim that contradicts the request
+dim is bound.
+
+Extra inputs with no role are handled first: an integer scalar that only picks positions of the
+final hidden states (transformers' `logits_to_keep`, which TorchScript traces into a tensor input
+when the model itself is exported) is removed with its Gather, with a note:
+
+    hidden [B,S,H] ─► Gather(axis=1, logits_to_keep) ─► lm_head      becomes      hidden ─► lm_head
+
+so the graph returns the logits of every position (what `logits_to_keep=0` means in transformers). Refuses (Miss) a dim it cannot value; a static dim that contradicts the request
 is an InputError. Emits: the bound input shapes, output shapes from their dim expressions, and
 dtype/shape of every tensor by `mtkc.ir.shapes.infer` (weights stripped, never serialised).
 """
@@ -27,6 +35,10 @@ from __future__ import annotations
 import ast
 import operator
 
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from mtkc.display import escape
 from mtkc.errors import InputError
 from mtkc.ir import shapes
 from mtkc.options import Options
@@ -77,12 +89,24 @@ class BindShapes(Pass):
     name = "bind-shapes"
     description = "symbolic input dims -> static (--seq-len/--cache-len/--batch/--input-shape), then infer shapes"
 
+    def __init__(self):
+        self.removed: list[str] = []  # position-picking inputs removed (map_feeds drops their feeds)
+
     def applies(self, ctx: Context) -> bool:
         o = ctx.options
         return bool(o.seq_len or o.cache_len or o.batch or o.input_shapes)
 
+    def map_feeds(self, feeds: dict, ctx: Context) -> dict:
+        return {k: v for k, v in feeds.items() if k not in self.removed}
+
+    def map_outputs(self, outputs: dict, ctx: Context) -> dict:
+        """Without the picking input the logits hold every position, the expected ones only the picked
+        row: --verify-each stops comparing them (`mtkc verify` compares each position's row)."""
+        return {k: v for k, v in outputs.items() if not (self.removed and k == "logits")}
+
     def run(self, graph, ctx: Context) -> PassResult:
         result = PassResult()
+        self.removed = keep_all_logits(graph, result)
         explicit = dict(ctx.options.input_shapes or {})
         unknown = sorted(set(explicit) - {t.name for t in graph.inputs})
         if unknown:
@@ -146,6 +170,43 @@ class BindShapes(Pass):
                 t.shape = [_evaluate(d, symbols) for d in t.shape]
         shapes.infer(graph, ctx.root)
         return result
+
+
+def keep_all_logits(graph, result: PassResult) -> list[str]:
+    """Remove every integer scalar input whose only consumers are Gather(axis=1) index inputs on
+    non-constant data (see the module docstring); returns their names."""
+    removed = []
+    for t in list(graph.inputs):
+        consumers = list(t.outputs)
+        if (t.dtype is None or not np.issubdtype(np.dtype(t.dtype), np.integer) or t.shape is None or list(t.shape) != []
+                or not consumers or not all(_picks_positions(n, t) for n in consumers)):
+            continue
+        for node in consumers:
+            data, out = node.inputs[0], node.outputs[0]
+            for user in list(out.outputs):
+                for k, x in enumerate(user.inputs):
+                    if x is out:
+                        user.inputs[k] = data
+            for k, o in enumerate(graph.outputs):
+                if o is out:
+                    graph.outputs[k] = data
+            node.inputs.clear()
+            node.outputs.clear()
+        for o in graph.outputs:  # their declared shapes named the picked position's dims
+            o.shape = None
+        graph.inputs.remove(t)
+        graph.cleanup()
+        removed.append(t.name)
+        result.rewrites += 1
+        result.notes.append(f"input '{escape(t.name)}' (an index picking which positions get logits, as "
+                            "transformers' logits_to_keep traces) removed: logits for every position")
+    return removed
+
+
+def _picks_positions(node, index) -> bool:
+    attrs = node.attrs or {}
+    return (node.op == "Gather" and len(node.inputs) == 2 and node.inputs[1] is index and attrs.get("axis", 0) == 1
+            and isinstance(node.inputs[0], gs.Variable) and len(node.inputs[0].shape or [0, 0, 0]) == 3)
 
 
 def _head_dims(graph, ctx: Context) -> dict[str, tuple[int, int]]:

@@ -32,11 +32,15 @@ from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 
 MS = "com.microsoft"
 POSITIONS = "position_ids"
-_LOWEST = float(np.finfo(np.float32).min)
 
 
 def _input(node: gs.Node, i: int) -> gs.Tensor | None:
     return node.inputs[i] if len(node.inputs) > i and node.inputs[i].name else None
+
+
+def _float(t: gs.Tensor) -> np.dtype:
+    """The float dtype the op computes in (its query's; float32 when untyped)."""
+    return np.dtype(t.dtype) if t.dtype is not None else np.dtype(np.float32)
 
 
 def _scalar(e: Emit, what: str, value: int) -> gs.Constant:
@@ -89,14 +93,15 @@ class _Shared:
         """[rows, D] = Concat(c, c) of the first `max_positions` rows (every position a compiled
         graph can see): a constant `fold` makes, small enough for the RoPE table lookup."""
         if id(cache) not in self.tables:
-            e, f32 = self.e, np.float32
+            e, f32 = self.e, _float(cache)
             rows = cache if not self.rows else e.op(
                 "Slice", [cache, e.ints("first", 0), e.ints("rows", self.rows), e.ints("axis0", 0)], dtype=f32)
             self.tables[id(cache)] = e.op("Concat", [rows, rows], {"axis": -1}, dtype=f32)
         return self.tables[id(cache)]
 
     def additive(self, q4: gs.Tensor) -> gs.Tensor:
-        """Where(visible, 0, finfo.min) [B,1,S,L]: key j visible to query i iff j <= L-S+i and mask[j]."""
+        """Where(visible, 0, finfo.min) [B,1,S,L]: key j visible to query i iff j <= L-S+i and mask[j]
+        (in the scores' dtype: an fp16 export's lowest is fp16's)."""
         if self.bias is None:
             e, i64 = self.e, np.int64
             total = e.op("Gather", [e.op("Shape", [self.mask], dtype=i64), _scalar(e, "one", 1)],
@@ -111,8 +116,9 @@ class _Shared:
             keep = e.op("Unsqueeze", [e.op("Cast", [self.mask], {"to": 9}, dtype=np.bool_), e.ints("ax12", 1, 2)],
                         dtype=np.bool_)
             visible = e.op("And", [causal, keep], dtype=np.bool_)
-            self.bias = e.op("Where", [visible, e.const("open", np.array(0.0, np.float32)),
-                                       e.const("lowest", np.array(_LOWEST, np.float32))], dtype=np.float32)
+            ft = _float(q4)
+            self.bias = e.op("Where", [visible, e.const("open", np.array(0.0, ft)),
+                                       e.const("lowest", np.array(np.finfo(ft).min, ft))], dtype=ft)
         return self.bias
 
 
@@ -122,7 +128,7 @@ def _decompose(graph: gs.Graph, node: gs.Node, shared: _Shared) -> str | None:
     if not d or heads % kv_heads:
         return "head size unknown (no static cos cache, key, past or query size)"
     e = Emit(graph, node.name)
-    f32 = np.float32
+    f32 = _float(node.inputs[0])  # fp16 exports compute (and keep their cache) in fp16
     if _input(node, 1) is None:
         q, k, v = e.op("Split", [node.inputs[0], e.ints("sizes", heads * d, kv_heads * d, kv_heads * d)],
                        {"axis": -1}, dtype=f32, outputs=3)
@@ -164,7 +170,7 @@ def _decompose(graph: gs.Graph, node: gs.Node, shared: _Shared) -> str | None:
 
 def _rotate(e: Emit, x: gs.Tensor, d: int, cos: gs.Tensor, sin: gs.Tensor) -> gs.Tensor:
     """x·cos + rotate_half(x)·sin, rotate_half(x) = Concat(-x[..., D/2:], x[..., :D/2])."""
-    f32 = np.float32
+    f32 = _float(x)
     axis = e.ints("axis3", 3)
     first = e.op("Slice", [x, e.ints("start0", 0), e.ints("half", d // 2), axis], dtype=f32)
     second = e.op("Slice", [x, e.ints("half", d // 2), e.ints("end", d), axis], dtype=f32)

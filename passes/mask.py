@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from mtkc.contract import io
@@ -122,11 +123,23 @@ class Site(Rule):
     def rewrite(self, op: Emit, ctx: Context, m: Match) -> list[tuple[gs.Tensor, gs.Tensor]]:
         site, index = self.found[id(m.anchor)]
         if self.new is None:
-            self.new = self.added(op.graph, ctx)
+            self.new, self.cast = self.added(op.graph, ctx), {}
+        scores = site.inputs[1 - index] if site.op == "Add" else site.inputs[1]
+        mask = self._as(op, scores.dtype)
         if site.op == "Add":
-            site.inputs[index] = self.new
+            site.inputs[index] = mask
             return []
-        return [(site.outputs[0], op.Add(site.inputs[1], self.new))]
+        return [(site.outputs[0], op.Add(site.inputs[1], mask))]
+
+    def _as(self, op: Emit, dtype) -> gs.Tensor:
+        """The float32 input, cast once to the scores' dtype when they are another float (fp16 exports)."""
+        if dtype is None or np.dtype(dtype) == np.float32 or not np.issubdtype(np.dtype(dtype), np.floating):
+            return self.new
+        key = np.dtype(dtype).name
+        if key not in self.cast:
+            self.cast[key] = op.Cast(self.new, to=onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype)),
+                                     _dtype=np.dtype(dtype), _shape=self.new.shape)
+        return self.cast[key]
 
     def finish(self, graph: gs.Graph, ctx: Context, result: PassResult) -> None:
         """The guards go (a guard the rewrites left dead went with them, and still counts)."""

@@ -26,6 +26,7 @@ Refused: cos/sin depending on more than one position source (bind shapes first),
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from mtkc.contract import io
@@ -82,14 +83,14 @@ class Hoist(Rule):
         target, table, rank, source = self.plan[id(node)]
         kind = "cos" if node.op == "Cos" else "sin"
         if mode(ctx) == "table":
-            return [(target, _gather(op, kind, table, source, rank))]
+            return [(target, _gather(op, kind, table.astype(_float(target)), source, rank))]
         if rank != 3:
             raise Refused(f"{kind} is rank {rank}, pos_emb replaces [1, T, D] tensors only")
         full = table if _full_width(table) else np.concatenate([table, table], axis=-1)
         if any(t is source for t in m.graph.inputs):
             self.io.position_input = source.name
         seq = ctx.options.seq_len or (source.shape[-1] if source.shape else "sequence_length")
-        return [(target, _slice(op, self.io, kind, full, table.shape[1], seq, target.shape))]
+        return [(target, _as(op, _slice(op, self.io, kind, full, table.shape[1], seq, target.shape), _float(target)))]
 
 
 class FoldedToPosEmb(Rule):
@@ -126,9 +127,21 @@ class FoldedToPosEmb(Rule):
             if const is not None:
                 vals = np.asarray(values(const, ctx.read_values))
                 width = vals.shape[-1]
-                replaced.append((const, _slice(op, self.io, kind, vals.reshape(-1, width), width, vals.size // width,
-                                                    vals.shape)))
+                replaced.append((const, _as(op, _slice(op, self.io, kind, vals.reshape(-1, width).astype(np.float32), width,
+                                                           vals.size // width, vals.shape), vals.dtype)))
         return replaced
+
+
+def _float(target: gs.Tensor) -> np.dtype:
+    """The dtype the replaced cos/sin had (fp16 exports compute RoPE in fp16); float32 when untyped."""
+    return np.dtype(target.dtype) if target.dtype is not None else np.dtype(np.float32)
+
+
+def _as(op: Emit, tensor: gs.Tensor, dtype: np.dtype) -> gs.Tensor:
+    """`tensor` (float32: pos_emb is a float32 input by contract) cast to `dtype` when that differs."""
+    if dtype == np.float32:
+        return tensor
+    return op.Cast(tensor, to=onnx.helper.np_dtype_to_tensor_dtype(dtype), _dtype=dtype, _shape=tensor.shape)
 
 
 def _constant_source(tensor: gs.Tensor) -> gs.Constant | None:
@@ -248,7 +261,7 @@ def _evaluate(graph: gs.Graph, ctx, source: gs.Tensor, targets: list, max_pos: i
 
 def _gather(op: Emit, kind, table, source, rank):
     src_rank = len(source.shape) if source.shape is not None else 1
-    out = op.Gather(op.const(f"{kind}_{ROPE_TABLE}", table), source, axis=0, _dtype=np.float32)
+    out = op.Gather(op.const(f"{kind}_{ROPE_TABLE}", table), source, axis=0, _dtype=table.dtype)
     if rank > src_rank + 1:
-        out = op.Unsqueeze(out, op.const("axes", np.arange(rank - src_rank - 1, dtype=np.int64)), _dtype=np.float32)
+        out = op.Unsqueeze(out, op.const("axes", np.arange(rank - src_rank - 1, dtype=np.int64)), _dtype=table.dtype)
     return out

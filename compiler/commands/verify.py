@@ -27,8 +27,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument("out", metavar="OUT", help="folder written by `mtkc compile`")
     parser.add_argument("--samples", type=int, default=3, help="seeded input sets (default 3)")
-    parser.add_argument("--atol", type=float, default=1e-3, help="absolute tolerance (default 1e-3)")
-    parser.add_argument("--rtol", type=float, default=1e-3, help="tolerance relative to each output's largest magnitude (default 1e-3)")
+    parser.add_argument("--atol", type=float, help="absolute tolerance (default 1e-3; 1e-2 for an fp16 export)")
+    parser.add_argument("--rtol", type=float, help="tolerance relative to each output's largest magnitude "
+                        "(default 1e-3; 1e-2 for an fp16 export)")
     parser.add_argument("--min-cosine", type=float, help="minimum cosine similarity (default 0.999; 0.99 with --quant)")
     parser.add_argument("--model", help="original model (default: the path recorded in the manifest; "
                         "its sha256 must be the compiled one's)")
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     if args.quant:
         return run_quant(args)
     args.min_cosine = 0.999 if args.min_cosine is None else args.min_cosine
-    check_tolerances(args.atol, args.rtol, args.min_cosine)
+    check_tolerances(0.0 if args.atol is None else args.atol, 0.0 if args.rtol is None else args.rtol, args.min_cosine)
     result = verify(args.out, samples=args.samples, atol=args.atol, rtol=args.rtol,
                     min_cosine=args.min_cosine, model=args.model, new_tokens=args.new_tokens)
     if args.format == "json":

@@ -8,6 +8,7 @@ hostile model cannot make mtkc open a file outside its folder. Saving lives in `
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 from dataclasses import dataclass, field, replace
@@ -18,6 +19,7 @@ import onnx
 import onnx.numpy_helper
 import onnx_graphsurgeon as gs
 
+from mtkc.display import escape
 from mtkc.errors import InputError
 from mtkc.ir import wire
 from mtkc.ir.model_checks import (
@@ -31,6 +33,8 @@ from mtkc.ir.model_checks import (
 )
 
 PROTOBUF_LIMIT = 2**31 - 1
+
+log = logging.getLogger("mtkc")
 
 
 @dataclass
@@ -93,10 +97,22 @@ def load(path: str | os.PathLike) -> Model:
     if not proto.HasField("graph") or not proto.graph.output or proto.ir_version <= 0:
         raise InputError(f"{path}: not an ONNX model (no graph outputs or no ir_version; truncated?)")
     root = path.parent.resolve()
+    import_used_domains(proto, path)
     validate_proto(proto, path, root)
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
     names = [(t, t.name) for t, _, _ in stored_tensors(proto)]
     return Model(_import(proto, path, root), path, root, opset, proto, names)
+
+
+def import_used_domains(proto: onnx.ModelProto, path: Path) -> None:
+    """A domain the nodes use without an opset import (ORT-optimised graphs, e.g. Olive's, with
+    com.microsoft ops) gets one at version 1, as onnxruntime accepts such models (logged)."""
+    imported = {o.domain for o in proto.opset_import} | {"", "ai.onnx"}
+    used = sorted({n.domain for n in proto.graph.node} - imported)
+    for domain in used:
+        proto.opset_import.append(onnx.helper.make_opsetid(domain, 1))
+        log.info("mtkc: %s uses domain '%s' without an opset import; imported at version 1, as onnxruntime does",
+                 path.name, escape(domain))
 
 
 def read_proto(path: Path) -> onnx.ModelProto:

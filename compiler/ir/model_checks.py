@@ -33,6 +33,8 @@ read or copied): duplicate initializer names, missing or mistyped attributes, a 
 `to`, ... are refused with the checker's reason, as onnxruntime would refuse them. Also refused:
 sparse initializers (no pass reads them), default-domain opsets onnxruntime cannot run (< 7), and
 external-data forms onnxruntime rejects (a repeated key, `basepath`, a location ending in `/`).
+A domain used without an opset import (Olive's com.microsoft ops) is checked at version 1, as
+onnxruntime runs it (`mtkc.ir.model.load` imports it, so the graphs written carry it).
 
 Structure: subgraph nesting <= 32 (onnxruntime's cap); every node input is produced by a graph
 input, an initializer, an earlier-or-later node output or an enclosing scope ("" is an absent
@@ -141,6 +143,9 @@ def _stripped(proto: onnx.ModelProto) -> onnx.ModelProto:
         if value.type.HasField("tensor_type") and not value.type.tensor_type.HasField("shape"):
             value.type.tensor_type.shape.SetInParent()
     _set_aside_unknown_ops(copy)
+    imported = {o.domain for o in copy.opset_import} | {"", "ai.onnx"}
+    for domain in sorted({n.domain for n in copy.graph.node} - imported):  # onnxruntime assumes one
+        copy.opset_import.append(onnx.helper.make_opsetid(domain, 1))
     return copy
 
 

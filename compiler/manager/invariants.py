@@ -9,6 +9,9 @@ Checked (a violation names the pass and the tensor/node):
   - tensor names unique;
   - once shapes are bound (every graph input static), no pass leaves a tensor it created or
     changed without a dtype, and a pass given a fully static graph keeps it fully static;
+  - one float dtype per node where the op's type constraint ties its inputs (`check_dtypes`:
+    Add(fp16, fp32) does not load in onnxruntime); a built-in pass that breaks it is a bug in
+    mtkc (InternalError, exit 4), a plugin's a PassError;
   - the graph's I/O contract (`check_io`): names (in order), dtypes and shapes of the graph
     inputs and outputs stay as they were. A pass may only refine them (a dtype or dim that was
     unknown or symbolic becomes concrete, as shape binding does). A pass that changes them on
@@ -22,7 +25,9 @@ from numbers import Integral
 
 import onnx_graphsurgeon as gs
 
-from mtkc.errors import MtkcError, PassError
+import numpy as np
+
+from mtkc.errors import InternalError, MtkcError, PassError
 from mtkc.ir.graph_utils import Names, cleanup
 from mtkc.ir.toposort import CycleError, toposort
 from mtkc.rewrite.pass_api import Pass
@@ -109,6 +114,29 @@ def check(
                 raise error(f"{stage}: tensor '{t.name}' has no dtype")
             if not dynamic and not static(t):
                 raise error(f"{stage}: tensor '{t.name}' has no static shape ({_shape_text(t)}) in a static graph")
+
+
+_TIED = {op: None for op in ("Add", "Sub", "Mul", "Div", "MatMul", "Max", "Min", "Sum", "Mean", "Concat", "Equal",
+                              "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Gemm")}  # None: all inputs
+_TIED["Where"] = (1, 2)
+
+
+def check_dtypes(graph: gs.Graph, p=None, error: type[MtkcError] | None = None) -> None:
+    """Raise when a node's tied inputs have two float dtypes (known ones; see the module docstring)."""
+    for node in graph.nodes:
+        if node.domain or node.op not in _TIED:
+            continue
+        positions = _TIED[node.op] or range(len(node.inputs))
+        floats = {np.dtype(node.inputs[i].dtype).name for i in positions if i < len(node.inputs)
+                  and node.inputs[i].dtype is not None and np.issubdtype(np.dtype(node.inputs[i].dtype), np.floating)}
+        if len(floats) > 1:
+            what = f"node '{node.name}' ({node.op}) mixes {' and '.join(sorted(floats))} inputs"
+            if p is None:
+                raise (error or PassError)(f"input model: {what}")
+            if getattr(p, "origin", "built-in") == "built-in":
+                raise InternalError(f"pass '{p.name}' left {what}: a bug in mtkc; rerun with MTKC_TRACEBACK=1 and "
+                                    "report the output")
+            raise PassError(f"pass '{p.name}' ({p.origin}) left {what}")
 
 
 def io_contract(graph: gs.Graph) -> tuple[list[tuple], list[tuple]]:

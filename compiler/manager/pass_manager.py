@@ -279,6 +279,7 @@ def run_pipeline(
     """
     invariants.restore(graph, None, InputError)
     invariants.check(graph, None, error=InputError)
+    invariants.check_dtypes(graph, None, InputError)
     verifier = EachVerifier(graph, ctx, seed) if verify_each else None
     records = []
     contract = invariants.io_contract(graph)  # names, dtypes, shapes of graph inputs/outputs
@@ -298,6 +299,7 @@ def run_pipeline(
             _fill_types(graph, ctx.root)  # type what the pass left untyped; still loose -> PassError
             after = None
         invariants.check(graph, p.name, loose)
+        invariants.check_dtypes(graph, p)
         contract = invariants.check_io(graph, p, contract)  # undeclared I/O change -> PassError
         record = PassRecord(
             p.name, p.origin, result.rewrites, nodes_before, len(graph.nodes),

@@ -76,6 +76,8 @@ def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.Pat
     for key, why in result.picked.items():
         log.info("mtkc: picked %s=%s (set --%s to choose)", key, why, key.replace("_", "-"))
     variants, options = result.variants, result.options
+    for note in (n for r in variants[0].compiled.records if r.name == "bind-shapes" for n in r.notes):
+        log.info("mtkc: %s", note)  # inputs the binding removed or options it ignored
     tables: dict = {}
     for v in variants:
         for key, value in host_tables(v.compiled.pipeline.passes, v.compiled.model.values).items():

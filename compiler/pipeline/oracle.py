@@ -9,6 +9,8 @@ meant it, and the compiled graphs run through the reference runtime (`Generator`
                [1,P], or none), positions 0..P-1 and an empty cache [1,Hkv,0,D]; every next step
                feeds the chosen token, ones [1,L+1], position L and the presents it returned
                (its cache grows by one per step). Without cache inputs: the whole sequence each step.
+               A `logits_to_keep` index input (transformers' model exported itself) is fed -1:
+               the original returns the last position's logits only, compared with that row.
     compiled   `Generator`: prefill T tokens per call (a short tail padded), decode one per call.
 
 Per prompt (seeded, shorter and longer than T): the logits of every real position (the prompt,
@@ -26,6 +28,13 @@ import numpy as np
 from mtkc.contract import exporters, io
 
 NEW_TOKENS = 8  # greedy tokens per prompt: seconds on tiny models
+KEEP_INPUTS = ("logits_to_keep",)  # an integer scalar picking the position whose logits are returned
+LAST = -1  # what the oracle feeds it: the last position, the one greedy decoding reads
+
+
+def picks_positions(name: str, shape) -> bool:
+    """Whether an export input is a `logits_to_keep` index (scalar), fed `LAST`."""
+    return name in KEEP_INPUTS and len(shape) == 0
 
 
 @dataclass
@@ -57,6 +66,7 @@ class OriginalRun:
     prompt: list[int]
     tokens: list[int]
     logits: np.ndarray
+    first_row: int = 0  # the position of logits[0] (P - 1 when the export returns the last row only)
 
 
 @dataclass
@@ -72,6 +82,7 @@ class Original:
     empty: dict[str, list[int]] = field(default_factory=dict)  # cache input -> its empty shape
     logits: str = io.LOGITS
     types: dict[str, np.dtype] = field(default_factory=dict)
+    keep: str | None = None  # a logits_to_keep input (fed LAST)
 
     @classmethod
     def of(cls, session, cache_shapes: dict[str, list[int]]) -> Original | str:
@@ -89,8 +100,12 @@ class Original:
             return f"{len(pasts)} cache inputs but {len(presents)} cache outputs"
         known = {n for n, _, _ in pasts}
         roles: dict[str, str | None] = {"ids": None, "mask": None, "positions": None}
+        keep = None
         for x in inputs:
             if x.name in known:
+                continue
+            if picks_positions(x.name, x.shape) and types[x.name] is not None and np.issubdtype(types[x.name], np.integer):
+                keep = x.name
                 continue
             role = {io.INPUT_IDS: "ids", io.ATTENTION_MASK: "mask", io.POSITION_IDS: "positions"}.get(x.name)
             if role is None or len(x.shape) != 2 or types[x.name] is None or not np.issubdtype(types[x.name], np.integer):
@@ -108,18 +123,18 @@ class Original:
             empty[name] = [1, shape[1] if shape[1] is not None else hint[1], 0,
                            shape[3] if shape[3] is not None else hint[3]]
         return cls(session, roles["ids"], roles["mask"], roles["positions"],
-                   {(k, i): n for n, k, i in pasts}, {(k, i): n for n, k, i in presents}, empty, logits, types)
+                   {(k, i): n for n, k, i in pasts}, {(k, i): n for n, k, i in presents}, empty, logits, types, keep)
 
     def run(self, prompt: list[int], new_tokens: int) -> OriginalRun:
         """Greedy tokens after `prompt` and the logits of every position fed (prompt, then each new token)."""
         rows: list[np.ndarray] = []
         tokens = self.generate(prompt, new_tokens, rows.append)
-        return OriginalRun(list(prompt), tokens, np.concatenate(rows))
+        return OriginalRun(list(prompt), tokens, np.concatenate(rows), len(prompt) - len(rows[0]))
 
     def generate(self, prompt: list[int], new_tokens: int, observe: Callable[[np.ndarray], None]) -> list[int]:
         """Greedy tokens after `prompt`; `observe(logits [k, V])` per call, k = the tokens it fed."""
         sequence = list(prompt)
-        cache = {name: np.zeros(shape, np.float32) for name, shape in self.empty.items()}
+        cache = {name: np.zeros(shape, self.types[name] or np.float32) for name, shape in self.empty.items()}
         cached = 0
         out: list[int] = []
         while len(out) < new_tokens:
@@ -130,10 +145,13 @@ class Original:
                 feeds[self.mask] = np.ones((1, start + len(fed)), self.types[self.mask])
             if self.positions:
                 feeds[self.positions] = np.arange(start, start + len(fed), dtype=self.types[self.positions])[None]
+            if self.keep:
+                feeds[self.keep] = np.array(LAST, self.types[self.keep])
             feeds.update(cache)
             wanted = [self.logits] + list(self.presents.values())
             result = dict(zip(wanted, self.session.run(wanted, feeds)))
             logits = result[self.logits][0]
+            logits = logits[None] if logits.ndim == 1 else logits  # [V]: the kept position's row
             observe(logits if not out else logits[-1:])
             if self.pasts:
                 cache = {self.pasts[key]: result[name] for key, name in self.presents.items()}
@@ -163,8 +181,8 @@ def compare_generation(generator, run: OriginalRun, compare, atol: float, rtol: 
         expected = expected[:len(actual)]
     agree = next((j for j, (a, b) in enumerate(zip(expected, actual)) if a != b), min(len(expected), len(actual)))
     rows = len(run.prompt) + min(agree, len(actual) - 1, len(expected) - 1)  # decode row j fed token j-1
-    want = run.logits[:rows]
-    got = np.concatenate(got_rows)[:rows]
+    want = run.logits[:rows - run.first_row]
+    got = np.concatenate(got_rows)[run.first_row:rows]
     figures = []  # (max abs, cosine, ok) per step
     for step in range(min(len(want), len(got))):
         max_abs, _, cosine, close = compare(got[step], want[step], atol, rtol)

@@ -45,12 +45,15 @@ from mtkc.ir.compare import compare
 from mtkc.ir.model import read_proto
 from mtkc.ir.outdir import read_manifest
 from mtkc.passes.kv_cache import export_names
-from mtkc.pipeline.oracle import NEW_TOKENS, Generation, Original, OriginalRun, compare_generation, prompts
+from mtkc.pipeline.oracle import (LAST, NEW_TOKENS, Generation, Original, OriginalRun, compare_generation,
+                                  picks_positions, prompts)
 from mtkc.runtime.generate import Generator, host_table
 from mtkc.runtime.graphs import guarded, load_session, run_partitions, run_session
 from mtkc.runtime.sessions import Sessions
 
 DYNAMIC_SEQ = 8  # tokens per sample when the compiled graph leaves the sequence length open
+TOLERANCE = 1e-3  # default atol and rtol
+TOLERANCE_FP16 = 1e-2  # for an fp16 export: ~10 fp16 steps (2^-10) of the largest logit
 
 
 @dataclass
@@ -197,6 +200,8 @@ def build_feeds(original_inputs, compiled_inputs: list[dict], vocab: int, seed: 
             original[name] = positions.astype(dtype)[None]
         elif kv is not None:
             original[name] = rng.standard_normal(by_name[kv]["shape"]).astype(dtype)
+        elif picks_positions(name, arg.shape) and np.issubdtype(dtype, np.integer):
+            original[name] = np.array(LAST, dtype)  # its logits: the last position's row
         else:
             shape = [_resolve(d, k, dims, by_name.get(name)) for k, d in enumerate(arg.shape)]
             original[name] = (rng.integers(0, vocab, shape) if np.issubdtype(dtype, np.integer)
@@ -253,7 +258,7 @@ def chains(graphs: list[dict]) -> list[list[dict]]:
     return list(groups.values())
 
 
-def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 1e-3, min_cosine: float = 0.999,
+def verify(out: str | Path, samples: int = 3, atol: float | None = None, rtol: float | None = None, min_cosine: float = 0.999,
            model: str | Path | None = None, new_tokens: int = NEW_TOKENS) -> Result:
     """The oracle (`new_tokens` greedy tokens per prompt, 0: off), then every
     manifest graph (partitions wired, and whole) compared with the original model.
@@ -281,6 +286,10 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
     proto = read_proto(Path(source))  # structure only: weights stay in the file
     aliases = _export_names(proto)  # cache I/O and logits the exporter named its own way
     notes = _notes(proto)
+    half = any(o.type == "tensor(float16)" for o in reference.get_outputs())
+    if half and (atol is None or rtol is None):
+        notes.append(f"the original computes in fp16: default atol/rtol {TOLERANCE_FP16:g}")
+    atol, rtol = (v if v is not None else TOLERANCE_FP16 if half else TOLERANCE for v in (atol, rtol))
     del proto
     skipped: list[str] = []
     host = Host.from_manifest(manifest, out)
@@ -288,7 +297,7 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
     runs = original_runs(generator, manifest, reference, new_tokens, skipped)
     original_outputs = [o.name for o in reference.get_outputs()]
     original_outputs += [aliases[o] for o in original_outputs if o in aliases]
-    planned = list(_expected(manifest, reference, samples, host, aliases))
+    planned = list(_expected(manifest, reference, samples, host, aliases, source))
     del reference  # phase 2: the compiled graphs only
     generations = [guarded(lambda: compare_generation(generator, run, compare, atol, rtol, min_cosine), "generation")
                    for run in runs]
@@ -318,7 +327,7 @@ def verify(out: str | Path, samples: int = 3, atol: float = 1e-3, rtol: float = 
     return Result(checks, skipped, samples, atol, rtol, min_cosine, generations, notes)
 
 
-def _expected(manifest: dict, reference, samples: int, host: Host, aliases: dict[str, str]):
+def _expected(manifest: dict, reference, samples: int, host: Host, aliases: dict[str, str], source: Path):
     """(chain, compiled feeds, the original's outputs) per chain and seeded sample."""
     for chain in chains(manifest.get("graphs", [])):
         host_inputs: dict[str, dict] = {}  # the chain's inputs that the host builds, first spec per name
@@ -372,6 +381,8 @@ def _record(worst: dict, skipped: list, graph: str, pipeline: str, name: str, va
             skipped.append(note)
         return
     want = expected[source]
+    if name == io.LOGITS and value.ndim == 3 and want.ndim == 2:
+        value = value[:, LAST]  # the original kept one position (logits_to_keep = LAST)
     if value.shape != want.shape and value.ndim == want.ndim == 4 and io.cache_name(name):
         want = want[:, :, -value.shape[2]:, :]  # new-entry-only present
     if value.shape != want.shape:

@@ -133,6 +133,11 @@ class Generator:
         stage = self.prefill[0]
         if any(io.cache_name(name) for name in stage.inputs):
             raise InputError(f"{self.root}: graph 'model' has cache inputs but no decode graph")
+        fed = (io.INPUT_IDS, io.HIDDEN_STATES, io.ATTENTION_MASK, io.POSITION_IDS, io.POS_EMB)
+        other = [name for name in stage.inputs if name not in fed and name not in stage.sources]
+        if other:
+            raise InputError(f"{self.root}: graph 'model' input '{other[0]}' is none the runtime feeds "
+                             f"({', '.join(fed)}): its cache or extra inputs were not found by compile")
         self.cache_shapes, self.cache_len, self.cache_io = {}, 0, layouts.DEFAULT_LAYOUT
 
     def _host(self, manifest: dict, name: str, why: str) -> np.ndarray:
@@ -238,6 +243,10 @@ class Generator:
                 else:
                     raise InputError(f"graph '{stage.name}': unknown input '{name}'")
                 value = np.asarray(value, dtype=dtype)
+                if shape and value.size != np.prod(shape):
+                    raise InputError(f"graph '{stage.name}': input '{name}' has shape {shape}, the runtime feeds it "
+                                     f"{list(value.shape)} (the contract's form; was it compiled with the mask and "
+                                     "kv-cache passes?)")
                 feed[name] = value.reshape(shape) if shape else value
             result = results[stage.name] = dict(zip(stage.outputs, stage.session.run(stage.outputs, feed)))
             self._update(result, k)

@@ -1,7 +1,9 @@
 """Finding the KV cache by structure, whatever the exporter named it.
 
-A cache input is a rank-4 graph input that reaches, through copies (Identity, 1-input Concat),
-`Concat(past, new, axis=2)` whose result is a graph output (the present). Its kind and layer
+A cache input is a rank-4 graph input that reaches, through copies (Identity, 1-input Concat, the
+Q/DQ pairs a static QDQ model puts on every activation), `Concat(past, new, axis=2)` whose result
+is a graph output (the present), directly or through a Q/DQ pair: `kv-cache` makes the Concat's
+result the output, so the cache I/O of a QDQ model is float, as the converter's calibration expects. Its kind and layer
 come from where the concat's result goes:
 
     present ─[layout, scale]─► MatMul(Q, ·ᵀ) ─► … ─► Softmax        key   (or input 1 of an attention op)
@@ -23,9 +25,10 @@ from mtkc.errors import InputError
 
 KINDS = contract_io.KINDS
 ATTENTION_OPS = {"MultiHeadAttention", "Attention", "GroupQueryAttention", "PackedAttention"}
-_COPIES = ("Identity",)
-_LAYOUT = {"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Identity", "Cast", "Tile", "Mul", "Div"}
-_PROB_PATH = {"Cast", "Where", "IsNaN", "Identity"}
+_QDQ = ("QuantizeLinear", "DequantizeLinear")
+_COPIES = ("Identity", *_QDQ)
+_LAYOUT = {"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Identity", "Cast", "Tile", "Mul", "Div", *_QDQ}
+_PROB_PATH = {"Cast", "Where", "IsNaN", "Identity", *_QDQ}
 _CONTRACT = re.compile(r"^past_(?P<kind>key|value)_(?P<i>\d+)$")
 
 
@@ -53,6 +56,19 @@ def cache_concat(past: gs.Tensor) -> gs.Node | None:
     return None
 
 
+def cache_output(concat: gs.Node, outputs: list[gs.Tensor]) -> gs.Tensor | None:
+    """The graph output a cache Concat's result is: itself, or its Q -> DQ (a QDQ model)."""
+    tensor = concat.outputs[0]
+    for _ in range(3):
+        if any(t is tensor for t in outputs):
+            return tensor
+        nxt = [n for n in tensor.outputs if n.op in _QDQ]
+        if not nxt:
+            return None
+        tensor = nxt[0].outputs[0]
+    return None
+
+
 def _attention_use(present: gs.Tensor) -> tuple[str, gs.Node] | None:
     """(kind, the node that identifies the attention) for a present tensor, from its consumers."""
     frontier, seen = [present], set()
@@ -75,7 +91,7 @@ def _attention_use(present: gs.Tensor) -> tuple[str, gs.Node] | None:
     return None
 
 
-def _softmax_above(tensor: gs.Tensor, depth: int = 6) -> gs.Node | None:
+def _softmax_above(tensor: gs.Tensor, depth: int = 10) -> gs.Node | None:
     for _ in range(depth):
         node = tensor.inputs[0] if tensor.inputs else None
         if node is None:
@@ -88,7 +104,7 @@ def _softmax_above(tensor: gs.Tensor, depth: int = 6) -> gs.Node | None:
     return None
 
 
-def _softmax_below(tensor: gs.Tensor, depth: int = 6) -> gs.Node | None:
+def _softmax_below(tensor: gs.Tensor, depth: int = 10) -> gs.Node | None:
     frontier = [tensor]
     for _ in range(depth):
         nxt = []
@@ -96,7 +112,7 @@ def _softmax_below(tensor: gs.Tensor, depth: int = 6) -> gs.Node | None:
             for node in t.outputs:
                 if node.op == "Softmax":
                     return node
-                if node.op in {"Add", "Where", "Mul", "Div", "Cast", "Sub"}:
+                if node.op in {"Add", "Where", "Mul", "Div", "Cast", "Sub", *_QDQ}:
                     nxt += node.outputs
         frontier = nxt
     return None
@@ -104,14 +120,13 @@ def _softmax_below(tensor: gs.Tensor, depth: int = 6) -> gs.Node | None:
 
 def find_caches(graph: gs.Graph) -> list[LayerCache]:
     """Every layer's cache I/O found by structure (see the module docstring); [] when there is none."""
-    outputs = {id(t) for t in graph.outputs}
     order = {id(n): i for i, n in enumerate(graph.nodes)}
     found: dict[int, dict[str, tuple[gs.Variable, gs.Node]]] = {}
     for tensor in graph.inputs:
         if tensor.shape is not None and len(tensor.shape) != 4:
             continue
         concat = cache_concat(tensor)
-        if concat is None or id(concat.outputs[0]) not in outputs:
+        if concat is None or cache_output(concat, graph.outputs) is None:
             continue
         use = _attention_use(concat.outputs[0])
         if use is None:

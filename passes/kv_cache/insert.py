@@ -65,8 +65,9 @@ def insert_cache(graph: gs.Graph, root=None) -> list[LayerCache]:
             if shape is None or len(shape) != 4 or not all(isinstance(d, int) for d in shape[1::2]):
                 raise InputError(f"layer {i}: {kind} entry '{new.name}' has shape {shape}, expected [B, Hkv, S, D]"
                                  + _fused_entry(new))
-            past = gs.Variable(f"past_{kind}_{i}", np.float32, ["batch_size", shape[1], "past_sequence_length", shape[3]])
-            full = gs.Variable(f"kv_cache/{kind}_{i}", np.float32, None)
+            dtype = new.dtype or np.float32  # the entries' (fp16 exports: fp16)
+            past = gs.Variable(f"past_{kind}_{i}", dtype, ["batch_size", shape[1], "past_sequence_length", shape[3]])
+            full = gs.Variable(f"kv_cache/{kind}_{i}", dtype, None)
             concat = gs.Node("Concat", names.new(f"kv_cache/concat_{kind}_{i}"), {"axis": 2}, [past, new], [full])
             for node in list(new.outputs):
                 if node is not concat:

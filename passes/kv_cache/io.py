@@ -39,6 +39,7 @@ class KvCacheIo(Pass):
                 concat = layer.concat[kind]
                 full = concat.outputs[0]
                 _, hkv, _, d = layer.past[kind].shape
+                dtype = layer.past[kind].dtype or np.float32  # an fp16 export keeps an fp16 cache
                 if outputs.get(name) is not full:
                     continue  # already rewritten, or a chunk without this layer
                 full.name = f"kv_{kind}_{layer.index}"
@@ -47,7 +48,7 @@ class KvCacheIo(Pass):
                     if present in graph.inputs or isinstance(present, gs.Constant):
                         raise InputError(f"{full.name}: the new {kind} entries are not computed by the graph")
                 else:
-                    present = gs.Variable(name, np.float32, [1, hkv, c, d])
+                    present = gs.Variable(name, dtype, [1, hkv, c, d])
                     graph.nodes.append(gs.Node(
                         "Slice", names.new(f"kv_cache/slide_{kind}_{layer.index}"),
                         inputs=[full] + [gs.Constant(names.new(f"kv_cache/{n}_{kind}_{layer.index}"),
@@ -55,7 +56,7 @@ class KvCacheIo(Pass):
                                          for n, v in (("start", t), ("end", t + c), ("axis", 2))],
                         outputs=[present]))
                 present.name = name
-                present.dtype = np.float32
+                present.dtype = dtype
                 present.shape = [1, hkv, t if mode == "new" else c, d]
                 graph.outputs[graph.outputs.index(outputs[name])] = present
                 rewrites += 1
