@@ -21,6 +21,7 @@ from typing import Callable
 import onnx_graphsurgeon as gs
 
 from mtkc.backend.stitch import Split, split
+from mtkc.display import Progress
 from mtkc.errors import InputError
 from mtkc.ir import shapes
 from mtkc.ir.counts import count
@@ -125,7 +126,7 @@ def _best_first(model: Model, name: str, options: Options, table, observe, resul
 
 
 def _variant(model: Model, name: str, options: Options, table, observe) -> GraphVariant:
-    compiled = compile_graph(model, options, table, observe)
+    compiled = compile_graph(model, options, table, observe, label=name)
     for record in compiled.records:
         record.graph = name
     graph = model.graph
@@ -134,13 +135,20 @@ def _variant(model: Model, name: str, options: Options, table, observe) -> Graph
                         split(graph, name, verdict, options.min_partition_nodes, options.force_cpu, options.force_npu))
 
 
-def compile_graph(model: Model, options: Options, table, observe=None) -> Compiled:
-    """Run the pipeline on `model.graph` in place; nothing is written."""
+def compile_graph(model: Model, options: Options, table, observe=None, label: str = "model") -> Compiled:
+    """Run the pipeline on `model.graph` in place (a progress line `label: pass n/N` on a terminal);
+    nothing is written."""
     ctx = Context(table, options, model.root, model.values)
     registry = load_registry(options.plugins)
     pipeline = resolve_pipeline(registry, ctx, options.passes, options.skip_passes)
     count("pipeline runs")
-    records = run_pipeline(model.graph, pipeline, ctx, verify_each=options.verify_each, observe=observe)
+    with Progress(f"{label}: pass", total=len(pipeline.passes)) as progress:
+        def step(p: Pass, graph: gs.Graph) -> None:
+            progress.advance()
+            if observe is not None:
+                observe(p, graph)
+
+        records = run_pipeline(model.graph, pipeline, ctx, verify_each=options.verify_each, observe=step)
     if any(p.name == "bind-shapes" for p in pipeline.passes):
         _require_static(model.graph)
     final = assess(model.graph, table, model.graph.opset, model.values) if isinstance(table, Table) else None
