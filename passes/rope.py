@@ -77,6 +77,8 @@ class Rope(RulePass):
     def __init__(self):
         self.tables: dict[str, np.ndarray] = {}  # "cos"/"sin" -> [max_pos, D] when pos_emb was made
         self.position_input: str | None = None  # the input pos_emb replaced
+        self.mode = "table"  # the rope_mode used (rope_tables: picked when the options leave it open)
+        self.better: tuple[str, str] | None = None  # (mode, why) when the other mode places better
         rotate_half = RotateHalf()
         self.rules = (FusedRotary(), rotate_half, Hoist(self), FoldedToPosEmb(self, rotate_half))
 

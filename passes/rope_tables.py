@@ -10,10 +10,15 @@ inv_freq, rope_theta, attention scaling as the export has them:
 It is *evaluated* in onnxruntime for positions 0..max_pos-1 (one run per position source) and
 replaced, per option `rope_mode`, by:
 
-    table   (default) Gather(cos_table[max_pos, F], positions)       max_pos = option max_positions
+    table   Gather(cos_table[max_pos, F], positions)                 max_pos = option max_positions
                                                                       or cache_len + seq_len
     pos_emb a graph input pos_emb [1, 2, T, D] (cos, sin: MediaTek's convention), sliced
             Squeeze(Slice(pos_emb, 0:1 | 1:2, axis 1)); position_ids is then dropped.
+
+Left open (rope_mode unset), the mode is `table` unless the SDK makes that Gather a host lookup
+(a table of more rows than its Gather limit) and every target is [1, T, D]: then `pos_emb`. The
+Rope pass keeps the mode used and `better`, the mode that places better when it is not the one
+given, with why (check's suggestion).
 
 Rule FoldedToPosEmb (pos_emb only, on rope.RotateHalf's sites): cos/sin that shape folding already
 made constants (no cache: positions 0..T-1) become pos_emb slices too, so every graph variant
@@ -41,10 +46,6 @@ POS_EMB = io.POS_EMB
 MODES = ("table", "pos_emb")
 
 
-def mode(ctx) -> str:
-    return ctx.options.rope_mode or "table"
-
-
 class Hoist(Rule):
     anchor, sites = ("Cos", "Sin"), "cos/sin"
 
@@ -54,11 +55,12 @@ class Hoist(Rule):
     def start(self, graph, ctx):
         """Evaluate every cos/sin once per position source: node id -> (target, table, rank, source) | Refused."""
         self.plan, groups = {}, {}
+        given = ctx.options.rope_mode
         for node in graph.nodes:
             if node.op not in self.anchor or node.domain:
                 continue
-            if mode(ctx) not in MODES:
-                self.plan[id(node)] = Refused(f"unknown rope_mode '{mode(ctx)}' (table | pos_emb)")
+            if given not in (None, *MODES):
+                self.plan[id(node)] = Refused(f"unknown rope_mode '{given}' (table | pos_emb)")
                 continue
             try:
                 source = _position_source(node)
@@ -73,6 +75,8 @@ class Hoist(Rule):
                 tables = [why] * len(items)
             for (node, target), table in zip(items, tables):
                 self.plan[id(node)] = table if isinstance(table, Refused) else (target, *table, source)
+        self.io.better = _better(ctx, [p for p in self.plan.values() if not isinstance(p, Refused)], given)
+        self.io.mode = given or (self.io.better[0] if self.io.better else "table")
 
     def check(self, ctx, m):
         if isinstance(plan := self.plan[id(m["node"])], Refused):
@@ -82,7 +86,7 @@ class Hoist(Rule):
         node = m["node"]
         target, table, rank, source = self.plan[id(node)]
         kind = "cos" if node.op == "Cos" else "sin"
-        if mode(ctx) == "table":
+        if self.io.mode == "table":
             return [(target, _gather(op, kind, table.astype(_float(target)), source, rank))]
         if rank != 3:
             raise Refused(f"{kind} is rank {rank}, pos_emb replaces [1, T, D] tensors only")
@@ -103,7 +107,7 @@ class FoldedToPosEmb(Rule):
         self.candidate, self.pattern = rotate_half.candidate, rotate_half.pattern
 
     def applies(self, ctx):
-        return mode(ctx) == "pos_emb"
+        return self.io.mode == "pos_emb"
 
     def check(self, ctx, m):
         for kind in ("cos", "sin"):
@@ -142,6 +146,27 @@ def _as(op: Emit, tensor: gs.Tensor, dtype: np.dtype) -> gs.Tensor:
     if dtype == np.float32:
         return tensor
     return op.Cast(tensor, to=onnx.helper.np_dtype_to_tensor_dtype(dtype), _dtype=dtype, _shape=tensor.shape)
+
+
+def _better(ctx, plans: list[tuple], given: str | None) -> tuple[str, str] | None:
+    """(mode, why) when one mode places the cos/sin lookups better and it is not `given`: `pos_emb`
+    when the table Gather is a host lookup on the SDK and every target is [1, T, D]; `table` when
+    `pos_emb` cannot replace a target and the Gather stays on the NPU."""
+    if ctx.table is None or not plans:
+        return None
+    target, table, rank, source = plans[0]
+    probe = gs.Node("Gather", inputs=[gs.Constant(f"cos_{ROPE_TABLE}", table), source],
+                    outputs=[gs.Variable("probe", dtype=np.float32)], attrs={"axis": 0})
+    verdict = ctx.table.verdict(probe)
+    probe.inputs.clear()  # a Node hooks itself onto its tensors: unhook, the graph is unchanged
+    probe.outputs.clear()
+    host = not verdict.supported and verdict.target == "host"
+    fits = all(p[2] == 3 for p in plans)
+    if host and fits and given != "pos_emb":
+        return "pos_emb", f"the table Gather is a host lookup on SDK {ctx.sdk} ({verdict.detail})"
+    if not host and not fits and given == "pos_emb":
+        return "table", f"pos_emb replaces [1, T, D] cos/sin only; {target.name} is rank {rank}"
+    return None
 
 
 def _constant_source(tensor: gs.Tensor) -> gs.Constant | None:

@@ -1,4 +1,4 @@
-"""Shared fixtures: random-weight tiny models, their exports (cached on disk), and a CLI runner.
+"""Shared fixtures: random-weight tiny models, their exports (cached on disk), and an in-process CLI runner.
 
 Exports are cached under the pytest cache dir (side venvs, optimum's, in its `venvs/`), keyed by a
 hash of the factory sources and the torch/transformers/onnxscript/onnxruntime versions, so repeated
@@ -13,7 +13,6 @@ import fcntl
 import hashlib
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from importlib import metadata
@@ -82,11 +81,13 @@ def exported(request, tiny_model):
 
 @pytest.fixture(scope="session")
 def run_cli():
-    """`run_cli(*args, cwd=None, timeout=300)` -> (exit code, stdout, stderr) of `python -m mtkc ARGS`."""
+    """`run_cli(*args, cwd=None)` -> (exit code, stdout, stderr) of `mtkc ARGS`, run in this process
+    (`hostile_kit.run_cli`: logger and signal handlers reset per call). Tests of a real process
+    (signals, exit on import, hash seeds) start one themselves."""
+    from hostile_kit import run_cli as in_process
 
-    def run(*args, cwd=None, timeout: float = 300):
-        proc = subprocess.run([sys.executable, "-m", "mtkc", *map(str, args)], capture_output=True,
-                              text=True, cwd=cwd, timeout=timeout)
-        return proc.returncode, proc.stdout, proc.stderr
+    def run(*args, cwd=None):
+        result = in_process(args, cwd=cwd)
+        return result.code, result.out, result.err
 
     return run

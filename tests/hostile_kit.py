@@ -13,6 +13,7 @@ import contextlib
 import io
 import logging
 import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,8 +89,10 @@ def snapshot(root: Path, skip: Path | None = None) -> dict[str, tuple]:
 
 
 def run_cli(args, cwd: Path | None = None) -> Outcome:
-    """`mtkc ARGS` in this process: (exit code, stdout, stderr); log records land in stderr as the CLI writes them."""
+    """`mtkc ARGS` in this process: (exit code, stdout, stderr); log records land in stderr as the CLI writes them.
+    The logger and the SIGINT/SIGTERM handlers `main` installs are restored afterwards."""
     out, err = io.StringIO(), io.StringIO()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     handler = logging.StreamHandler(err)
     handler.setFormatter(EscapingFormatter("%(message)s"))
     logger = logging.getLogger("mtkc")
@@ -107,6 +110,8 @@ def run_cli(args, cwd: Path | None = None) -> Outcome:
                 code = exc.code if isinstance(exc.code, int) else 2
     finally:
         os.chdir(here)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         logger.handlers, logger.propagate = saved[0], saved[1]
         logger.setLevel(saved[2])
     return Outcome(code, out.getvalue(), err.getvalue())

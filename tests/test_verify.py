@@ -146,8 +146,12 @@ def test_verify_runs_layer_chunks_as_a_chain(exported, tmp_path, run_cli, cache_
     assert checked.skipped == []  # hidden_states_out feeds the next chunk: wiring, not an unmatched output
     assert max(c.max_abs for c in checked.checks) < 1e-4
     code, stdout, stderr = run_cli("verify", out, "--samples", "1")
-    # 20 per-graph rows + the oracle's one prompt (C=16 holds no prompt longer than T=8 and its new tokens)
-    assert code == 0 and stdout.rstrip().endswith("min cosine 0.999)") and stdout.count(" ok") == 21, stderr
+    # a row per graph and pipeline (4 x 2) + the oracle's one prompt (C=16 holds no prompt longer than T=8
+    # and its new tokens); -v: a row per output (20)
+    assert code == 0 and stdout.rstrip().endswith("min cosine 0.999)") and stdout.count(" ok") == 9, stderr
+    assert " 2 outputs " in stdout and "present_key_0" not in stdout
+    code, stdout, stderr = run_cli("verify", out, "--samples", "1", "-v")
+    assert code == 0 and stdout.count(" ok") == 21 and "present_key_0" in stdout, stderr
 
 
 def test_chains_reject_wiring_from_a_later_graph():

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "json":
         print_json(result.to_json())
     else:
-        print(format_text(result))
+        print(format_text(result, every_output=args.verbose > 0))
     if not result.ok:
         raise MismatchError(result.failure())
     return 0

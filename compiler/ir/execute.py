@@ -9,6 +9,7 @@ import onnx
 import onnx_graphsurgeon as gs
 import onnxruntime as ort
 
+from mtkc.ir.counts import count
 from mtkc.ir.model import onnxruntime_view
 
 EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
@@ -23,6 +24,7 @@ def session(model: gs.Graph | onnx.ModelProto, root: Path | None = None) -> ort.
     if root is not None:
         proto, root = onnxruntime_view(proto, root)
         options.add_session_config_entry(EXTERNAL_FOLDER_KEY, str(root))
+    count("sessions")
     return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 

@@ -22,6 +22,7 @@ import onnx_graphsurgeon as gs
 from mtkc.display import escape
 from mtkc.errors import InputError
 from mtkc.ir import wire
+from mtkc.ir.counts import count
 from mtkc.ir.model_checks import (
     ExternalDataError,
     allowed_trees,
@@ -131,6 +132,7 @@ def read_proto(path: Path) -> onnx.ModelProto:
 
 
 def _import(proto: onnx.ModelProto, path: Path, root: Path) -> gs.Graph:
+    count("graph imports")
     try:
         graph = gs.import_onnx(proto)
     except Exception as exc:  # graphsurgeon raises bare Exceptions on malformed graphs

@@ -25,6 +25,7 @@ from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onn
 from onnx_graphsurgeon.importers.onnx_importer import get_onnx_tensor_dtype, get_onnx_tensor_shape
 
 from mtkc.ir import constants
+from mtkc.ir.counts import count
 from mtkc.ir.toposort import topo_order
 
 INLINE_ELEMENTS = 128  # constants copied into the shape-inference model (shape operands)
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 
 def infer(graph: gs.Graph, root: Path | None = None) -> None:
     """Infer dtype/shape of every variable of `graph` in place (weights are never read)."""
+    count("shape inferences")
     proto = stripped_proto(graph, root)
     inferred = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)
     infos = {vi.name: vi for vi in [*inferred.graph.value_info, *inferred.graph.output]}

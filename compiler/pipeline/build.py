@@ -5,8 +5,9 @@
         ─► defaults: dims left unbound get MediaTek's LLM convention (T = 128, C = 512, batch 1),
             unless the user's pipeline leaves out bind-shapes
         ─► plan the graphs (`model`, or prefill/decode per chunk)
-        ─► per graph: fresh graph ─► pass pipeline ─► NPU/CPU partitions
-        ─► choices the user left open (rope_mode) take the value with the best placement
+        ─► per graph: fresh graph ─► pass pipeline (once) ─► NPU/CPU partitions
+        ─► choices the user left open (rope_mode) are made by the passes on the first graph, from
+           what they know (the cos/sin table size against the SDK's Gather limit), and kept for the rest
 
 Nothing is written; weights are read only where a pass needs their values.
 """
@@ -20,8 +21,10 @@ from typing import Callable
 import onnx_graphsurgeon as gs
 
 from mtkc.backend.stitch import Split, split
+from mtkc.display import Progress
 from mtkc.errors import InputError
 from mtkc.ir import shapes
+from mtkc.ir.counts import count
 from mtkc.ir.model import Model
 from mtkc.manager.pass_manager import PassRecord, Pipeline, load_registry, resolve_pipeline, run_pipeline
 from mtkc.options import Options
@@ -106,31 +109,24 @@ def build(model: Model, options: Options, table, observe: Callable[[Pass, gs.Gra
 
 def _best_first(model: Model, name: str, options: Options, table, observe, result: Build,
                 suggest: bool) -> GraphVariant:
-    """The first graph, with `rope_mode` picked when the user left it open: `table` unless the
-    table's cos/sin Gather leaves nodes on the CPU and `pos_emb` leaves fewer."""
+    """The first graph, with `rope_mode` as the rope pass left it: given, or picked when open
+    (`mtkc.passes.rope_tables`); with `suggest`, the mode that would place better than the one given."""
     given = options.rope_mode
-    first = _variant(model, name, options.replace(rope_mode=given or "table"), table, observe)
-    rope_ran = any(r.name == "rope" and r.rewrites for r in first.compiled.records)
-    if not (rope_ran and first.cpu_nodes) or (given and not suggest):
-        result.options = result.options.replace(rope_mode=given or "table")
-        return first
-    mode = "pos_emb" if given in (None, "table") else "table"
-    other = _variant(model.fresh(), name, options.replace(rope_mode=mode), table, None if given else observe)
-    if other.cpu_nodes >= first.cpu_nodes:
-        result.options = result.options.replace(rope_mode=given or "table")
-        return first
-    why = f"the {given or 'table'} mode leaves {first.cpu_nodes} nodes of '{name}' on the CPU of SDK {table.version}, " \
-          f"{mode} {other.cpu_nodes}"
-    if given:
-        result.suggested["rope_mode"] = f"{mode}: {why}"
-        return first
-    result.picked["rope_mode"] = f"{mode}: {why}"
-    result.options = result.options.replace(rope_mode=mode)
-    return other
+    first = _variant(model, name, options, table, observe)
+    rope = next((p for p in first.compiled.pipeline.passes if p.name == "rope"), None)
+    mode = rope.mode if rope is not None else "table"
+    result.options = result.options.replace(rope_mode=given or mode)
+    better = rope.better if rope is not None else None
+    if better and not given and mode == better[0]:
+        result.picked["rope_mode"] = f"{mode}: {better[1]}"
+    elif better and given and suggest:
+        result.suggested["rope_mode"] = f"{better[0]}: the {given} mode leaves {first.cpu_nodes} nodes of '{name}' " \
+                                        f"on the CPU of SDK {table.version}; {better[1]}"
+    return first
 
 
 def _variant(model: Model, name: str, options: Options, table, observe) -> GraphVariant:
-    compiled = compile_graph(model, options, table, observe)
+    compiled = compile_graph(model, options, table, observe, label=name)
     for record in compiled.records:
         record.graph = name
     graph = model.graph
@@ -139,12 +135,20 @@ def _variant(model: Model, name: str, options: Options, table, observe) -> Graph
                         split(graph, name, verdict, options.min_partition_nodes, options.force_cpu, options.force_npu))
 
 
-def compile_graph(model: Model, options: Options, table, observe=None) -> Compiled:
-    """Run the pipeline on `model.graph` in place; nothing is written."""
+def compile_graph(model: Model, options: Options, table, observe=None, label: str = "model") -> Compiled:
+    """Run the pipeline on `model.graph` in place (a progress line `label: pass n/N` on a terminal);
+    nothing is written."""
     ctx = Context(table, options, model.root, model.values)
     registry = load_registry(options.plugins)
     pipeline = resolve_pipeline(registry, ctx, options.passes, options.skip_passes)
-    records = run_pipeline(model.graph, pipeline, ctx, verify_each=options.verify_each, observe=observe)
+    count("pipeline runs")
+    with Progress(f"{label}: pass", total=len(pipeline.passes)) as progress:
+        def step(p: Pass, graph: gs.Graph) -> None:
+            progress.advance()
+            if observe is not None:
+                observe(p, graph)
+
+        records = run_pipeline(model.graph, pipeline, ctx, verify_each=options.verify_each, observe=step)
     if any(p.name == "bind-shapes" for p in pipeline.passes):
         _require_static(model.graph)
     final = assess(model.graph, table, model.graph.opset, model.values) if isinstance(table, Table) else None

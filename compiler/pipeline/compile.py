@@ -25,6 +25,7 @@ from mtkc import __version__
 from mtkc.backend import manifest
 from mtkc.backend.deliver import finish
 from mtkc.backend.staging import check_target, staged
+from mtkc.display import Progress
 from mtkc.errors import InputError
 from mtkc.ir.model import Model, external_info, load
 from mtkc.ir.weights import WeightWriter
@@ -167,10 +168,13 @@ def _external_files(model: Model) -> list[Path]:
 
 def _write(stage: Path, variants: list[GraphVariant], data: dict, tables: dict, root: Path) -> None:
     """Every graph, partition and host table into the staging folder (the text files: `deliver.finish`)."""
-    with WeightWriter(stage, WEIGHTS_FILE) as writer:
+    files = sum(1 + len(v.split.pieces if v.split else []) for v in variants)
+    with WeightWriter(stage, WEIGHTS_FILE) as writer, Progress("write", total=files, unit="file") as progress:
         for variant in variants:
             writer.export(variant.graph, root, stage / f"{variant.name}.onnx")
+            progress.advance()
             for piece in variant.split.pieces if variant.split else []:
                 writer.export(piece.graph, root, stage / piece.entry["path"])
+                progress.advance()
     if tables:
         data["host"] = write_host_tables(stage, tables)

@@ -39,7 +39,7 @@ from mtkc.backend.manifest import sha256
 from mtkc.contract import exporters, io
 from mtkc.contract import mask as contract_mask
 from mtkc.contract.positions import rope_rows
-from mtkc.display import escape
+from mtkc.display import Progress, escape
 from mtkc.errors import InputError
 from mtkc.ir.compare import compare
 from mtkc.ir.model import read_proto
@@ -294,13 +294,19 @@ def verify(out: str | Path, samples: int = 3, atol: float | None = None, rtol: f
     skipped: list[str] = []
     host = Host.from_manifest(manifest, out)
     generator = _runtime(out, skipped if new_tokens > 0 else [])  # sessions made, weights not yet touched
-    runs = original_runs(generator, manifest, reference, new_tokens, skipped)
-    original_outputs = [o.name for o in reference.get_outputs()]
-    original_outputs += [aliases[o] for o in original_outputs if o in aliases]
-    planned = list(_expected(manifest, reference, samples, host, aliases, source))
+    chained = chains(manifest.get("graphs", []))
+    with Progress("verify: original export", total=len(chained) * samples, unit="run") as progress:
+        runs = original_runs(generator, manifest, reference, new_tokens, skipped, progress)
+        original_outputs = [o.name for o in reference.get_outputs()]
+        original_outputs += [aliases[o] for o in original_outputs if o in aliases]
+        planned = list(_expected(manifest, reference, samples, host, aliases, source, progress))
     del reference  # phase 2: the compiled graphs only
-    generations = [guarded(lambda: compare_generation(generator, run, compare, atol, rtol, min_cosine), "generation")
-                   for run in runs]
+    progress = Progress("verify: compiled graphs", total=len(runs) + 2 * len(planned), unit="run")
+    generations = []
+    for run in runs:
+        generations.append(guarded(lambda: compare_generation(generator, run, compare, atol, rtol, min_cosine),
+                                   "generation"))
+        progress.advance()
     worst: dict[tuple, Check] = {}
     for pipeline in ("graph", "partitions"):  # whole graphs on the runtime's sessions, then (those released) partitions
         wholes = {s.name: s.session for s in generator.prefill + generator.decode} if generator else {}
@@ -323,11 +329,14 @@ def verify(out: str | Path, samples: int = 3, atol: float | None = None, rtol: f
                     if (g["name"], name) not in wired:
                         _record(worst, skipped, g["name"], pipeline, name, value, expected, original_outputs,
                                 atol, rtol, min_cosine)
+            progress.advance()
+    progress.close()
     checks = sorted(worst.values(), key=lambda c: c.pipeline != "partitions")  # stable: manifest order in each
     return Result(checks, skipped, samples, atol, rtol, min_cosine, generations, notes)
 
 
-def _expected(manifest: dict, reference, samples: int, host: Host, aliases: dict[str, str], source: Path):
+def _expected(manifest: dict, reference, samples: int, host: Host, aliases: dict[str, str], source: Path,
+              progress: Progress):
     """(chain, compiled feeds, the original's outputs) per chain and seeded sample."""
     for chain in chains(manifest.get("graphs", [])):
         host_inputs: dict[str, dict] = {}  # the chain's inputs that the host builds, first spec per name
@@ -345,6 +354,7 @@ def _expected(manifest: dict, reference, samples: int, host: Host, aliases: dict
                 first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
                 raise InputError(f"{source}: the original model does not run in onnxruntime: {first}") from None
             expected.update({aliases[k]: v for k, v in list(expected.items()) if k in aliases})
+            progress.advance()
             yield chain, feeds, expected
 
 
@@ -357,7 +367,8 @@ def _runtime(out: Path, skipped: list[str]):
         return None
 
 
-def original_runs(generator, manifest: dict, reference, new_tokens: int, skipped: list[str]) -> list[OriginalRun]:
+def original_runs(generator, manifest: dict, reference, new_tokens: int, skipped: list[str],
+                  progress: Progress | None = None) -> list[OriginalRun]:
     """The original's greedy runs on the oracle's prompts (see `mtkc.pipeline.oracle`); why it
     could not run goes to `skipped`."""
     if new_tokens <= 0 or generator is None:
@@ -367,8 +378,14 @@ def original_runs(generator, manifest: dict, reference, new_tokens: int, skipped
         skipped.append(f"oracle: the original export cannot be run as exported: {original}")
         return []
     vocab = _vocab(next(g for g in manifest["graphs"] if any(o["name"] == io.LOGITS for o in g["outputs"])), reference)
-    return [guarded(lambda: original.run(prompt, new_tokens), "the original export")
-            for prompt in prompts(generator.prefill[0].tokens, generator.cache_len, vocab, new_tokens)]
+    todo, runs = prompts(generator.prefill[0].tokens, generator.cache_len, vocab, new_tokens), []
+    if progress is not None:
+        progress.total += len(todo)
+    for prompt in todo:
+        runs.append(guarded(lambda: original.run(prompt, new_tokens), "the original export"))
+        if progress is not None:
+            progress.advance()
+    return runs
 
 
 def _record(worst: dict, skipped: list, graph: str, pipeline: str, name: str, value: np.ndarray, expected: dict,
@@ -396,11 +413,21 @@ def _record(worst: dict, skipped: list, graph: str, pipeline: str, name: str, va
                                                max(w.max_rel, check.max_rel), min(w.cosine, check.cosine), w.ok and check.ok)
 
 
-def format_text(result: Result) -> str:
+def format_text(result: Result, every_output: bool = False) -> str:
+    """A row per graph and pipeline (its outputs' worst figures) and one per mismatching output;
+    `every_output` (-v): a row per output. The generations, skips, notes and the verdict follow."""
     rows = [("graph", "pipeline", "output", "max abs", "max rel", "cosine", "status")]
+    groups: dict[tuple[str, str], list[Check]] = {}
     for c in result.checks:
-        rows.append((escape(c.graph), c.pipeline, escape(c.output), f"{c.max_abs:.3g}", f"{c.max_rel:.3g}",
-                     f"{c.cosine:.6f}", "ok" if c.ok else "MISMATCH"))
+        groups.setdefault((c.graph, c.pipeline), []).append(c)
+    for (graph, pipeline), checks in groups.items():
+        if not every_output and len(checks) > 1:
+            worst = Check(graph, pipeline, f"{len(checks)} outputs", "", max(c.max_abs for c in checks),
+                          max(c.max_rel for c in checks), min(c.cosine for c in checks), all(c.ok for c in checks))
+            checks = [worst, *(c for c in checks if not c.ok)]
+        for c in checks:
+            rows.append((escape(c.graph), c.pipeline, escape(c.output), f"{c.max_abs:.3g}", f"{c.max_rel:.3g}",
+                         f"{c.cosine:.6f}", "ok" if c.ok else "MISMATCH"))
     widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines += [f"skipped: {escape(s)}" for s in result.skipped]

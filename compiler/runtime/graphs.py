@@ -9,6 +9,7 @@ import numpy as np
 import onnxruntime as ort
 
 from mtkc.errors import InputError, MismatchError
+from mtkc.ir.counts import count
 from mtkc.ir.execute import session
 from mtkc.ir.outdir import check_graph_file
 from mtkc.runtime.sessions import NO_PREPACKING, Sessions
@@ -25,6 +26,7 @@ def load_session(path: Path):
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     options.add_session_config_entry(NO_PREPACKING, "1")  # a prepacked copy would double the weights
     try:
+        count("sessions")
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     except Exception:  # onnxruntime's own error types; the proto route below names the problem
         pass

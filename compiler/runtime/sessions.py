@@ -18,6 +18,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from mtkc.ir.counts import count
 from mtkc.ir.outdir import check_graph_file
 
 NO_PREPACKING = "session.disable_prepacking"
@@ -54,6 +55,7 @@ class Sessions:
                 value = ort.OrtValue.ortvalue_from_numpy(view)
                 self._values.append(value)
                 options.add_initializer(tensor.name, value)
+        count("sessions")
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
     def _view(self, tensor: onnx.TensorProto, folder: Path) -> np.ndarray | None:

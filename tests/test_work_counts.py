@@ -1,0 +1,48 @@
+"""What one compile and one check cost in their dominant steps, on the tiny Qwen2 KV export at SDK
+7.0 (prefill + decode; its 640-row cos/sin table is a host Gather there, so pos_emb is picked).
+
+Before (main at 5386010): compile imported the graph 4 times, ran the pipeline 3 times (the other
+rope_mode by a full re-run), shape inference 15 times and opened 10 onnxruntime sessions; check
+the same minus the run-check's 4 sessions.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mtkc.ir.counts import COUNTS
+from mtkc.pipeline.check import check
+from mtkc.pipeline.compile import compile_model
+
+SDK = "7.0"
+
+
+@pytest.fixture(scope="module")
+def kv_model(exported):
+    return exported("qwen2", "legacy17", cache=True)
+
+
+def test_compile_runs_the_pipeline_once_per_graph_written(kv_model, tmp_path):
+    COUNTS.clear()
+    result = compile_model(kv_model, SDK, tmp_path / "out", {"no_convert": True})
+    graphs = [g["name"] for g in result.manifest["graphs"]]
+    files = len(graphs) + sum(len(g["partitions"]) for g in result.manifest["graphs"])
+    assert graphs == ["prefill", "decode"] and result.manifest["options"]["rope_mode"] == "pos_emb"
+    assert result.build.picked["rope_mode"].startswith("pos_emb: the table Gather is a host lookup on SDK 7.0")
+    assert COUNTS["graph imports"] == 3  # the input's verdicts, prefill, decode
+    assert COUNTS["pipeline runs"] == 2
+    assert COUNTS["shape inferences"] <= 1 + 5 * len(graphs)
+    # per graph one constant-folding batch and one rope-table evaluation; the run-check loads each file once
+    assert COUNTS["sessions"] == 2 * len(graphs) + files
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["options"]["rope_mode"] == "pos_emb"
+
+
+def test_check_shares_compiles_build_and_runs_nothing_written(kv_model):
+    COUNTS.clear()
+    report = check(kv_model, SDK)
+    assert [g.name for g in report.graphs] == ["prefill", "decode"] and report.picked["rope_mode"].startswith("pos_emb")
+    assert (COUNTS["graph imports"], COUNTS["pipeline runs"], COUNTS["sessions"]) == (3, 2, 4)
+    assert COUNTS["shape inferences"] <= 11
