@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
+from mtkc.backend.staging import replace_file
 from mtkc.commands import options
 from mtkc.commands.partitioning import add_placement
 from mtkc.display import escape
@@ -38,7 +37,7 @@ def run(args) -> int:
     report = check(args.model, opts.sdk, opts)
     text = json.dumps(report.to_json(), indent=2) + "\n" if args.format == "json" else render(report)
     if args.output:
-        _write_atomic(Path(args.output), text)
+        replace_file(Path(args.output), text)
         print(f"mtkc: wrote {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(text)
@@ -93,13 +92,3 @@ def render(report: CheckReport) -> str:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[6])
     return "\n".join(lines) + "\n"
 
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
