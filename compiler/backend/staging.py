@@ -30,6 +30,7 @@ from typing import Callable, Iterator
 
 from mtkc.backend.owned import foreign_file, out_files, stale, staging_prefix
 from mtkc.errors import InputError
+from mtkc.interrupts import STAGES
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -53,7 +54,7 @@ def staged(out: Path, overwrite: bool, foreign: Callable[[Path], str | None] | N
         remove_stale(out.parent)
         stage = Path(tempfile.mkdtemp(prefix=f"{staging_prefix(out)}{os.getpid()}-", dir=out.parent))
         stage.chmod(0o777 & ~_umask())  # mkdtemp's 0700 would make OUT unreadable to anyone else
-    _LIVE_STAGES.add(stage)
+    STAGES.add(stage)
     try:
         with disk_errors(given):
             yield stage
@@ -64,7 +65,7 @@ def staged(out: Path, overwrite: bool, foreign: Callable[[Path], str | None] | N
                 os.rename(stage, out)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-        _LIVE_STAGES.discard(stage)
+        STAGES.discard(stage)
 
 
 def check_target(out: Path, overwrite: bool, given: object = None,
@@ -106,45 +107,6 @@ def disk_errors(out: object) -> Iterator[None]:
             raise
         where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(out) else ""
         raise InputError(f"{out}: cannot write the output folder: {exc.strerror or exc}{where}") from None
-
-
-_LIVE_STAGES: set[Path] = set()  # staging folders of this process, removed on a hard exit
-LIVE_GROUPS: set[int] = set()  # converter process groups running now (`mtkc.backend.handoff`)
-
-
-def interrupts_unwind() -> None:
-    """SIGTERM unwinds like Ctrl-C (KeyboardInterrupt), so staging folders are removed and converter
-    process groups killed on the way out. A second signal (code that swallowed the first, e.g. a
-    plugin looping in `except:`) removes them at once and exits 130."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return
-    seen = []
-
-    def interrupt(signum, frame):
-        if seen:
-            _hard_exit()
-        seen.append(signum)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
-
-
-def _hard_exit() -> None:
-    import signal
-    import sys
-
-    for group in list(LIVE_GROUPS):
-        with contextlib.suppress(OSError):
-            os.killpg(group, signal.SIGKILL)
-    for stage in list(_LIVE_STAGES):
-        shutil.rmtree(stage, ignore_errors=True)
-    sys.stderr.write("mtkc: interrupted\n")
-    sys.stderr.flush()
-    os._exit(130)
 
 
 def remove_stale(folder: Path) -> None:

@@ -17,10 +17,9 @@ EXAMPLES = 3  # example node names per row in the text table
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("check", help="what compile will do for one SDK, and the NPU verdict of every node (writes nothing)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="model.onnx (external data next to it)")
-    options.add_target(p)
+    options.add_target(p, required=False)  # from the config, else one error line (as compile)
     options.add_shapes(p)
     options.add_pipeline(p)
     options.add_llm(p)
@@ -33,7 +32,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    opts = options.from_args(args)  # config (--config or ./mtkc.toml) overridden by the CLI, as in compile
+    opts = options.with_sdk(options.from_args(args))  # config (--config or ./mtkc.toml) overridden by the CLI, as in compile
     report = check(args.model, opts.sdk, opts)
     text = json.dumps(report.to_json(), indent=2) + "\n" if args.format == "json" else render(report)
     if args.output:
