@@ -9,37 +9,54 @@ import os
 import sys
 
 from mtkc import __version__
-from mtkc.backend.staging import interrupts_unwind
 from mtkc.display import EscapingFormatter, escape
 from mtkc.errors import MtkcError
+from mtkc.interrupts import installed
 
-# Each module defines `add_parser(subparsers)`; the parser it adds sets `func=run(args)->int`.
-COMMANDS = [
-    "mtkc.commands.check",
-    "mtkc.commands.sdks",
-    "mtkc.commands.ops",
-    "mtkc.commands.passes",
-    "mtkc.commands.compile",
-    "mtkc.commands.verify",
-    "mtkc.commands.generate",
-    "mtkc.commands.calibrate",
-    "mtkc.commands.convert",
-]
+# name -> (module, one-line help). A module defines `add_parser(subparsers)`, whose parser sets
+# `func=run(args)->int`; only the command being run is imported (`mtkc --help` loads none: no
+# onnx, onnxruntime or numpy).
+COMMANDS = {
+    "check": ("mtkc.commands.check", "what compile will do for one SDK, and the NPU verdict of every node (writes nothing)"),
+    "sdks": ("mtkc.commands.sdks", "list SDK versions, MDLA archs and default arch"),
+    "ops": ("mtkc.commands.ops", "list the ops of an SDK's capability table"),
+    "passes": ("mtkc.commands.passes", "list the rewrite passes (built-in, installed, plugins)"),
+    "compile": ("mtkc.commands.compile", "rewrite a model for an SDK and write OUT/ (graph, weights, manifest)"),
+    "verify": ("mtkc.commands.verify", "compare the compiled pipeline with the original model in onnxruntime"),
+    "generate": ("mtkc.commands.generate", "greedy generation through compiled prefill/decode graphs (reference host runtime)"),
+    "calibrate": ("mtkc.commands.calibrate", "store the inputs of every NPU partition on real prompts (quantisation calibration)"),
+    "convert": ("mtkc.commands.convert", "convert OUT's NPU partitions with quantisation on (needs `mtkc calibrate OUT` first)"),
+}
 
 log = logging.getLogger("mtkc")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser, with `command`'s subparser in full (its module imported) and the others as names."""
     parser = argparse.ArgumentParser(prog="mtkc", description=__doc__)
     parser.add_argument("--version", action="version", version=f"mtkc {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in COMMANDS:
-        importlib.import_module(module).add_parser(sub)
+    for name, (module, text) in COMMANDS.items():
+        if name == command:
+            importlib.import_module(module).add_parser(_WithHelp(sub, text))
+        else:
+            sub.add_parser(name, help=text, add_help=False)
     return parser
 
 
+class _WithHelp:
+    """The subparsers action, giving the command's parser its listing line from COMMANDS."""
+
+    def __init__(self, sub, text: str):
+        self.sub, self.text = sub, text
+
+    def add_parser(self, name: str, **kwargs) -> argparse.ArgumentParser:
+        return self.sub.add_parser(name, help=self.text, **kwargs)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
@@ -50,9 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     handler.setFormatter(EscapingFormatter("%(message)s"))  # names from the model: one line, no escapes
     log.handlers[:] = [handler]  # mtkc's messages go here whatever logging a host (pytest, an app) set up;
     log.setLevel(level)  # they still propagate to the host's handlers (capture), none of which print
-    interrupts_unwind()  # SIGTERM/Ctrl-C: staging removed, converters killed
     try:
-        return args.func(args)
+        with installed():  # SIGTERM/Ctrl-C: staging removed, converters killed, within a second
+            return args.func(args)
     except MtkcError as exc:
         print(f"mtkc: error: {escape(exc)}", file=sys.stderr)
         return exc.exit_code

@@ -117,6 +117,21 @@ def _str(v):
     return str(v), None
 
 
+def normalize_sdk(sdk: str) -> str:
+    """'6', 'np6', 'v6.0', 'neuropilot-6.0' -> '6.0': the one spelling of a version (folder names, tables)."""
+    text = str(sdk).strip().lower()
+    for prefix in ("neuropilot-", "neuropilot", "np", "v"):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+            break
+    return f"{text}.0" if text.isdigit() else text
+
+
+def _sdk(v):
+    text, expected = _str(v)
+    return (None, expected) if expected else (normalize_sdk(text), None)
+
+
 def _choice(*names: str):
     def check(v):
         return (v, None) if isinstance(v, str) and v in names else (None, f"one of {', '.join(names)}")
@@ -168,7 +183,7 @@ def _pass_options(v):
 
 
 CHECKS = {
-    "sdk": _str,
+    "sdk": _sdk,
     "arch": _str,
     "seq_len": _int(1, MAX_LEN),
     "cache_len": _int(1, MAX_LEN),

@@ -139,8 +139,9 @@ def _(d, mp):
 def _(d, mp):
     model = save(tiny(), d / "m.onnx")
     assert_contract(run_cli(compile_args(model, d / "v")), 0)
+    graph = json.loads((d / "v" / "manifest.json").read_text())["graphs"][0]
     (d / "v" / "logs").mkdir()
-    (d / "v" / "logs" / "old.log").write_text("old")  # logs/ is mtkc's: replaced
+    (d / "v" / "logs" / f"{graph['name']}.{graph['partitions'][0]['id']}.log").write_text("old")  # a converter log: mtkc's
     assert_contract(run_cli(compile_args(model, d / "v", "--overwrite")), 0)
     assert not (d / "v" / "logs").exists() and (d / "v" / "manifest.json").is_file()
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mtkc.backend.outdir import MANIFEST
+from mtkc.ir.outdir import MANIFEST
 from mtkc.errors import InputError
 
 FOLDER = "calibration"

@@ -13,8 +13,9 @@ pinned on nodes: names found in the log, else op types found in the log, else bi
 partition (prefixes of its topological order) with the converter as the oracle, bounded runs.
 A converter that is broken is told apart and no node is blamed: it exits 0 without writing its
 output, runs past `--converter-timeout`, or also fails on a trivial one-node graph (probed before
-bisecting). Each run is its own process group, killed on timeout, Ctrl-C or SIGTERM; only the
-head and tail of its output are kept (`LOG_HEAD` + `LOG_TAIL` bytes).
+bisecting). Each run is its own process group, killed on timeout, Ctrl-C or SIGTERM, and on Linux
+the converter gets SIGKILL when mtkc dies, even by SIGKILL (a parent-death signal); only the head
+and tail of its output are kept (`LOG_HEAD` + `LOG_TAIL` bytes).
 Commands run inside OUT with paths relative to it (a relative program or script path in the
 template is made absolute first), so logs name no absolute or staging path.
 Logs: OUT/logs/<graph>.<partition>.log; outputs: OUT/dla/.
@@ -23,6 +24,7 @@ Logs: OUT/logs/<graph>.<partition>.log; outputs: OUT/dla/.
 from __future__ import annotations
 
 import collections
+import ctypes
 import importlib.util
 import json
 import os
@@ -41,11 +43,11 @@ from typing import Mapping
 import onnx
 import onnx_graphsurgeon as gs
 
-from mtkc.backend.outdir import PLAIN_NAME
+from mtkc.ir.outdir import PLAIN_NAME
 from mtkc.backend.partition import Partition
-from mtkc.backend.staging import LIVE_GROUPS
 from mtkc.backend.stitch import boundaries
 from mtkc.errors import ConverterError, InputError
+from mtkc.interrupts import GROUPS
 from mtkc.ir.model import load
 
 PLACEHOLDERS = ("input", "output", "arch", "sdk", "input_names", "input_names_json", "input_shapes", "onnx", "tflite",
@@ -57,6 +59,8 @@ PYTHON_MARK = "@MTKC_PYTHON@"  # {python}: mtkc's interpreter when mtkc runs a s
 MAX_BISECT_RUNS = 12  # 2**12 nodes pinned to one
 DEFAULT_TIMEOUT = 4 * 3600.0  # seconds per converter run; a real 7B partition takes minutes
 LOG_HEAD = LOG_TAIL = 64 << 10  # bytes of converter output kept from its start and its end
+_PR_SET_PDEATHSIG = 1
+_PRCTL = getattr(ctypes.CDLL(None), "prctl", None) if sys.platform.startswith("linux") else None
 ERROR_LINE = re.compile(r"error|unsupport|not support|fail|fallback|invalid", re.IGNORECASE)
 
 # MediaTek's Python API, run in a child process so a crash in it cannot take mtkc down.
@@ -318,8 +322,8 @@ def _run_bounded(argv: list[str], cwd: Path, timeout: float) -> tuple[int | None
     killed before this returns or raises, so no converter process outlives mtkc.
     """
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            cwd=cwd, start_new_session=True)
-    LIVE_GROUPS.add(proc.pid)
+                            cwd=cwd, start_new_session=True, preexec_fn=_die_with(os.getpid()))
+    GROUPS.add(proc.pid)
     log = _BoundedLog()
     deadline = time.monotonic() + timeout
     fd = proc.stdout.fileno()
@@ -349,6 +353,20 @@ def _run_bounded(argv: list[str], cwd: Path, timeout: float) -> tuple[int | None
         proc.stdout.close()
 
 
+def _die_with(parent: int):
+    """In the child before exec (Linux): SIGKILL when mtkc dies, even by SIGKILL (PR_SET_PDEATHSIG;
+    what the converter itself starts is killed with its group on every other way out)."""
+    if _PRCTL is None:
+        return None
+
+    def preexec() -> None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # mtkc died before the call above took effect
+            os._exit(137)
+
+    return preexec
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the process group of `proc` (the converter and anything it started) and reap it."""
     try:
@@ -356,7 +374,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
-    LIVE_GROUPS.discard(proc.pid)
+    GROUPS.discard(proc.pid)
 
 
 class _BoundedLog:

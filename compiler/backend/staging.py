@@ -7,11 +7,12 @@
 The swap is one `renameat2(RENAME_EXCHANGE)` on Linux (OUT never missing, not even for an
 instant); elsewhere two renames, putting the previous OUT back if the second fails. A process
 killed with SIGKILL cannot clean up: its staging folder carries its pid and is removed by the
-next run into the same parent once that pid is gone.
+next run into the same parent once that pid is gone (whatever OUT it was for). The folder gets the
+umask's normal mode, not mkdtemp's 0700.
 
 Only a folder mtkc wrote is ever replaced (`check_target`): its manifest.json has mtkc's keys
-and every entry in it is one mtkc writes; anything else is an InputError naming the folder, so
-`--overwrite` can never delete a file of the user's. The user's disk (read-only, full, `-o`
+and every file in it is one its own records list (`mtkc.backend.owned`); anything else is an
+InputError naming the file, so `--overwrite` can never delete a file of the user's. The user's disk (read-only, full, `-o`
 under a file) is an InputError too, never a crash.
 """
 
@@ -22,20 +23,19 @@ import ctypes
 import errno
 import json
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
+from mtkc.backend.owned import foreign_file, out_files, stale, staging_prefix
 from mtkc.errors import InputError
+from mtkc.interrupts import STAGES
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 MARK = "mtkc"  # manifest key (mtkc's version) that, with schema_version, marks a folder mtkc wrote
-# Entries of an OUT folder that mtkc writes besides the paths its manifest names.
-_WRITTEN = re.compile(r"(manifest\.json|report\.json|report\.md|convert\.sh|weights\.bin|[^/]+\.placement\.json"
-                      r"|[^/]+\.onnx|(logs|dla|host|calibration)(/.*)?)")
+REMEDY = "--overwrite only replaces mtkc output, choose another -o"
 # errno values that describe the user's disk or path, not a bug: an InputError naming OUT.
 _DISK_ERRORS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
                 errno.EEXIST, errno.ENAMETOOLONG, errno.EISDIR, errno.EFBIG, errno.EMLINK, errno.ELOOP,
@@ -43,31 +43,33 @@ _DISK_ERRORS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQU
 
 
 @contextlib.contextmanager
-def staged(out: Path, overwrite: bool, foreign: Callable[[Path], str | None] | None = None) -> Iterator[Path]:
+def staged(out: Path, overwrite: bool, foreign: Callable[[Path], str | None] | None = None,
+           remedy: str = REMEDY) -> Iterator[Path]:
     """Yield an empty staging folder beside `out`; on normal exit it becomes `out`. `foreign(out)`
     says why an existing `out` is not mtkc's to replace (default: `foreign_entry`, a compile's OUT)."""
     given, out = out, Path(os.path.abspath(out))  # `-o .`: a name to stage beside
-    check_target(out, overwrite, given, foreign)
+    check_target(out, overwrite, given, foreign, remedy)
     with disk_errors(given):
         out.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale(out)
-        stage = Path(tempfile.mkdtemp(prefix=f"{_prefix(out)}{os.getpid()}-", dir=out.parent))
-    _LIVE_STAGES.add(stage)
+        remove_stale(out.parent)
+        stage = Path(tempfile.mkdtemp(prefix=f"{staging_prefix(out)}{os.getpid()}-", dir=out.parent))
+        stage.chmod(0o777 & ~_umask())  # mkdtemp's 0700 would make OUT unreadable to anyone else
+    STAGES.add(stage)
     try:
         with disk_errors(given):
             yield stage
-            check_target(out, overwrite, given, foreign)  # again: it may have appeared or changed meanwhile
+            check_target(out, overwrite, given, foreign, remedy)  # again: it may have appeared or changed meanwhile
             if os.path.lexists(out):
                 _swap(stage, out)  # stage now holds the previous OUT, removed below
             else:
                 os.rename(stage, out)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-        _LIVE_STAGES.discard(stage)
+        STAGES.discard(stage)
 
 
 def check_target(out: Path, overwrite: bool, given: object = None,
-                 foreign: Callable[[Path], str | None] | None = None) -> None:
+                 foreign: Callable[[Path], str | None] | None = None, remedy: str = REMEDY) -> None:
     """OUT may be written: absent, or (with `overwrite`) a folder mtkc wrote. Else InputError."""
     shown = given if given is not None else out
     out = Path(os.path.abspath(out))
@@ -79,41 +81,20 @@ def check_target(out: Path, overwrite: bool, given: object = None,
         raise InputError(f"{shown}: exists; pass --overwrite to replace it")
     why = (foreign or foreign_entry)(out)
     if why is not None:
-        raise InputError(f"{shown}: not a folder mtkc wrote ({why}); --overwrite only replaces mtkc output, "
-                         "choose another -o")
+        raise InputError(f"{shown}: not a folder mtkc wrote ({why}); {remedy}")
 
 
 def foreign_entry(out: Path) -> str | None:
     """Why `out` is not an mtkc output folder (the first entry mtkc would not have written), or None."""
-    if not any(out.iterdir()):
-        return None  # an empty folder: nothing to lose
+    if not any(not stale(p) for p in out.iterdir()):
+        return None  # empty, or only a killed run's staging: nothing to lose
     try:
         manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return "no readable manifest.json"
     if not isinstance(manifest, dict) or "schema_version" not in manifest or MARK not in manifest:
         return "manifest.json is not mtkc's"
-    listed = _listed_paths(manifest)
-    for path in sorted(out.rglob("*")):  # rglob does not follow symlinked folders
-        entry = path.relative_to(out).as_posix()
-        if path.is_symlink() or not (path.is_dir() or entry in listed or _WRITTEN.fullmatch(entry)):
-            return f"holds '{entry}'"
-    return None
-
-
-def _listed_paths(manifest: dict) -> set[str]:
-    """Every `path` the manifest names (graphs, partitions, host tables), as given."""
-    found: set[str] = set()
-    stack = [manifest.get("graphs"), manifest.get("host")]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            if isinstance(item.get("path"), str):
-                found.add(item["path"])
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return found
+    return foreign_file(out, out_files(out, manifest))
 
 
 @contextlib.contextmanager
@@ -128,72 +109,44 @@ def disk_errors(out: object) -> Iterator[None]:
         raise InputError(f"{out}: cannot write the output folder: {exc.strerror or exc}{where}") from None
 
 
-_LIVE_STAGES: set[Path] = set()  # staging folders of this process, removed on a hard exit
-LIVE_GROUPS: set[int] = set()  # converter process groups running now (`mtkc.backend.handoff`)
+def remove_stale(folder: Path) -> None:
+    """Staging left in `folder` by mtkc processes of this user that no longer exist (killed mid-write)."""
+    for path in folder.glob(".*.mtkc-*"):
+        if stale(path):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    path.unlink()
 
 
-def interrupts_unwind() -> None:
-    """SIGTERM unwinds like Ctrl-C (KeyboardInterrupt), so staging folders are removed and converter
-    process groups killed on the way out. A second signal (code that swallowed the first, e.g. a
-    plugin looping in `except:`) removes them at once and exits 130."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return
-    seen = []
-
-    def interrupt(signum, frame):
-        if seen:
-            _hard_exit()
-        seen.append(signum)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
-
-
-def _hard_exit() -> None:
-    import signal
-    import sys
-
-    for group in list(LIVE_GROUPS):
-        with contextlib.suppress(OSError):
-            os.killpg(group, signal.SIGKILL)
-    for stage in list(_LIVE_STAGES):
-        shutil.rmtree(stage, ignore_errors=True)
-    sys.stderr.write("mtkc: interrupted\n")
-    sys.stderr.flush()
-    os._exit(130)
-
-
-def _prefix(out: Path) -> str:
-    return f".{out.name}.mtkc-"
-
-
-def _remove_stale(out: Path) -> None:
-    """Staging folders of `out` left by processes that no longer exist (killed mid-write)."""
-    for path in out.parent.glob(f"{_prefix(out)}*"):
-        pid = path.name[len(_prefix(out)):].partition("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
+def replace_file(path: Path, text: str) -> None:
+    """Write `path` in one rename (readers see the old or the new file), through a staging name
+    that `remove_stale` recognises if this process is killed before the rename."""
+    tmp = path.with_name(f"{staging_prefix(path)}{os.getpid()}-tmp")
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _swap(stage: Path, out: Path) -> None:
     """Exchange `stage` and `out` atomically when the OS can, else rename twice."""
     if _exchange(stage, out):
         return
-    old = Path(tempfile.mkdtemp(prefix=f"{_prefix(out)}{os.getpid()}-old-", dir=out.parent))
+    old = Path(tempfile.mkdtemp(prefix=f"{staging_prefix(out)}{os.getpid()}-old-", dir=out.parent))
     try:
         os.rename(out, old / out.name)
         try:

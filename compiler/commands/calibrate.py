@@ -13,7 +13,6 @@ from mtkc.runtime.prompts import add_prompt_args, load_prompts
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "calibrate",
-        help="store the inputs of every NPU partition on real prompts (quantisation calibration)",
         description="Run the compiled pipeline (reference runtime, graphs as their partitions) over each "
         "prompt: prefill, then K greedy decode steps. Every NPU partition's inputs are stored as "
         "OUT/calibration/<graph>.<partition>/NNNN.npz, with ranges.json and index.json; the manifest "

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
+from mtkc.backend.staging import replace_file
 from mtkc.commands import options
 from mtkc.commands.partitioning import add_placement
 from mtkc.display import escape
@@ -18,10 +17,9 @@ EXAMPLES = 3  # example node names per row in the text table
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("check", help="what compile will do for one SDK, and the NPU verdict of every node (writes nothing)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="model.onnx (external data next to it)")
-    options.add_target(p)
+    options.add_target(p, required=False)  # from the config, else one error line (as compile)
     options.add_shapes(p)
     options.add_pipeline(p)
     options.add_llm(p)
@@ -34,11 +32,11 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    opts = options.from_args(args)  # config (--config or ./mtkc.toml) overridden by the CLI, as in compile
+    opts = options.with_sdk(options.from_args(args))  # config (--config or ./mtkc.toml) overridden by the CLI, as in compile
     report = check(args.model, opts.sdk, opts)
     text = json.dumps(report.to_json(), indent=2) + "\n" if args.format == "json" else render(report)
     if args.output:
-        _write_atomic(Path(args.output), text)
+        replace_file(Path(args.output), text)
         print(f"mtkc: wrote {args.output}", file=sys.stderr)
     else:
         sys.stdout.write(text)
@@ -95,13 +93,3 @@ def render(report: CheckReport) -> str:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[6])
     return "\n".join(lines) + "\n"
 
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise

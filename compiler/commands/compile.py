@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 
-from mtkc.commands.options import add_common, add_llm, add_pipeline, add_shapes, add_target, from_args
+from mtkc.commands.options import add_common, add_llm, add_pipeline, add_shapes, add_target, from_args, with_sdk
 from mtkc.commands.partitioning import add_converter, add_placement
 from mtkc.display import escape
-from mtkc.errors import InputError
 from mtkc.manager.pass_manager import load_registry
 from mtkc.pipeline.compile import compile_model, default_output
 
@@ -18,7 +17,6 @@ log = logging.getLogger("mtkc")
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "compile",
-        help="rewrite a model for an SDK and write OUT/ (graph, weights, manifest)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -39,9 +37,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    options = from_args(args)
-    if not options.sdk:
-        raise InputError("--sdk is required (or set sdk in mtkc.toml)")
+    options = with_sdk(from_args(args))
     if args.explain:
         load_registry(options.plugins).get(args.explain)  # unknown -> InputError, before any work
     out = args.output

@@ -16,7 +16,6 @@ def add_parser(subparsers) -> None:
 
     parser = subparsers.add_parser(
         "convert",
-        help="convert OUT's NPU partitions with quantisation on (needs `mtkc calibrate OUT` first)",
         description="Rewrite OUT/convert.sh so MediaTek's converter quantises every NPU partition: "
         "quantize on, per-output-channel weights, calibration_data_gen fed from "
         "OUT/calibration/<graph>.<partition>/*.npz, precision_proportion of the scheme; run it when the "

@@ -15,7 +15,6 @@ from mtkc.runtime.prompts import add_prompt_args, load_prompts
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "generate",
-        help="greedy generation through compiled prefill/decode graphs (reference host runtime)",
         description="Run the prefill/decode graphs of a KV-cache compile (wired by OUT/manifest.json) "
         "in onnxruntime and print the generated token ids, one line per prompt.",
     )

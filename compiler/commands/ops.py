@@ -11,7 +11,7 @@ from mtkc.target import capability
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("ops", help="list the ops of an SDK's capability table", description=__doc__)
+    p = sub.add_parser("ops", description=__doc__)
     options.add_target(p)
     p.add_argument("--op", metavar="NAME", help="one op type (or DOMAIN:OP)")
     p.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")

@@ -126,6 +126,13 @@ def from_args(args: argparse.Namespace) -> Options:
     return build([layer for layer in (config, Layer(cli, "cli")) if layer is not None])
 
 
+def with_sdk(options: Options) -> Options:
+    """`check` and `compile` need an SDK, from --sdk or the config: one error line when neither gives it."""
+    if not options.sdk:
+        raise InputError("--sdk is required (or set sdk in mtkc.toml)")
+    return options
+
+
 def split_names(text: str | None) -> list[str] | None:
     """'a, b,c' -> ['a', 'b', 'c']; None stays None."""
     if text is None:

@@ -17,7 +17,6 @@ from mtkc.target.capability import load_table
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "passes",
-        help="list the rewrite passes (built-in, installed, plugins)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

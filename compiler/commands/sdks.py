@@ -10,7 +10,7 @@ from mtkc.target import capability
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("sdks", help="list SDK versions, MDLA archs and default arch", description=__doc__)
+    p = sub.add_parser("sdks", description=__doc__)
     p.add_argument("--format", choices=("text", "json"), default="text", help="output format (default text)")
     options.add_common(p)
     p.set_defaults(func=run)

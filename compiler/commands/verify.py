@@ -15,7 +15,6 @@ from mtkc.pipeline.verify import format_text, verify
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "verify",
-        help="compare the compiled pipeline with the original model in onnxruntime",
         description="The oracle: run the original export as its exporter meant it (cache "
         "growing from empty, its own mask, no padding) and the compiled graphs through the reference runtime on "
         "seeded prompts shorter and longer than T; compare logits at real positions and greedy tokens. Then run "

@@ -1,4 +1,10 @@
-"""Run a graph in onnxruntime without copying its weights, and build seeded inputs for it."""
+"""Run a graph in onnxruntime without copying its weights, and build seeded inputs for it.
+
+Every onnxruntime session mtkc opens on a user's graph comes from `open_session`: onnxruntime's
+own log lines are off (they print raw node names and colour codes past mtkc's one-line, escaped
+errors), creating it has a deadline and each `run` stops on Ctrl-C/SIGTERM and at its deadline
+(`mtkc.interrupts`; a Loop of 10^12 iterations is an InputError naming the graph, not a hang).
+"""
 
 from __future__ import annotations
 
@@ -9,23 +15,68 @@ import onnx
 import onnx_graphsurgeon as gs
 import onnxruntime as ort
 
+from mtkc.errors import InputError
+from mtkc.interrupts import Expired, deadline, interrupted
 from mtkc.ir.counts import count
 from mtkc.ir.model import onnxruntime_view
 
 EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
+LOAD_SECONDS = 600.0  # creating one session (a 7B graph takes about a minute)
+RUN_SECONDS = 600.0  # one run (a 7B prefill takes seconds)
+ort.set_default_logger_severity(4)  # also for sessions onnxruntime's own tools open (quantisation)
 
 
-def session(model: gs.Graph | onnx.ModelProto, root: Path | None = None) -> ort.InferenceSession:
+def session_options(optimize: bool = False) -> ort.SessionOptions:
+    """Logging off; no graph optimisation, or basic (constant folding: the numbers are kept)."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_BASIC if optimize
+                                        else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+    return options
+
+
+class Bounded:
+    """An onnxruntime session whose `run` ends on a signal and within `seconds`; otherwise the session."""
+
+    def __init__(self, session: ort.InferenceSession, what: str, seconds: float):
+        self.session, self.what, self.seconds = session, what, seconds
+
+    def __getattr__(self, name: str):
+        return getattr(self.session, name)
+
+    def run(self, names, feeds, run_options: ort.RunOptions | None = None):
+        options = run_options or ort.RunOptions()
+        stop = lambda: setattr(options, "terminate", True)  # noqa: E731 - checked between nodes, Loop iterations too
+        try:
+            with deadline(self.seconds, f"{self.what}: still running in onnxruntime after {self.seconds:g} s", stop):
+                return self.session.run(names, feeds, options)
+        except Expired:
+            raise InputError(f"{self.what}: still running in onnxruntime after {self.seconds:g} s (a Loop without "
+                             "end, or a graph too large to run here); stopped") from None
+        except Exception:
+            if interrupted():
+                raise KeyboardInterrupt from None
+            raise
+
+
+def open_session(model: str | bytes, options: ort.SessionOptions, what: str, load_seconds: float | None = None,
+                 run_seconds: float | None = None) -> Bounded:
+    """An onnxruntime CPU session (from a path or serialized bytes) under the deadlines above."""
+    seconds = LOAD_SECONDS if load_seconds is None else load_seconds
+    count("sessions")
+    with deadline(seconds, f"{what}: onnxruntime did not finish loading it within {seconds:g} s; stopped"):
+        sess = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    return Bounded(sess, what, RUN_SECONDS if run_seconds is None else run_seconds)
+
+
+def session(model: gs.Graph | onnx.ModelProto, root: Path | None = None) -> Bounded:
     """An ORT CPU session; external-data locations resolve against `root` (the model folder)."""
     proto = gs.export_onnx(model, do_type_check=False) if isinstance(model, gs.Graph) else model
-    options = ort.SessionOptions()
-    options.log_severity_level = 4  # its own error lines would bypass mtkc's one-line errors
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options = session_options()
     if root is not None:
         proto, root = onnxruntime_view(proto, root)
         options.add_session_config_entry(EXTERNAL_FOLDER_KEY, str(root))
-    count("sessions")
-    return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return open_session(proto.SerializeToString(), options, f"graph '{proto.graph.name}'")
 
 
 def run(model: gs.Graph | onnx.ModelProto, feeds: dict[str, np.ndarray], root: Path | None = None) -> dict[str, np.ndarray]:

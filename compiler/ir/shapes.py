@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from pathlib import Path
 
 import onnx
@@ -24,11 +25,14 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx
 from onnx_graphsurgeon.importers.onnx_importer import get_onnx_tensor_dtype, get_onnx_tensor_shape
 
+from mtkc.errors import InputError
 from mtkc.ir import constants
 from mtkc.ir.counts import count
 from mtkc.ir.toposort import topo_order
 
 INLINE_ELEMENTS = 128  # constants copied into the shape-inference model (shape operands)
+PROPAGATE_ELEMENTS = 1 << 20  # a constant Range ONNX's data propagation would spell out, value by value
+MAX_ELEMENTS = 1 << 31  # one tensor: more elements cannot be indexed with int32
 SYMBOLIC_ROUNDS = 8  # passes of onnxruntime's symbolic inference (LLM exports settle in 1-2)
 log = logging.getLogger(__name__)
 
@@ -37,7 +41,8 @@ def infer(graph: gs.Graph, root: Path | None = None) -> None:
     """Infer dtype/shape of every variable of `graph` in place (weights are never read)."""
     count("shape inferences")
     proto = stripped_proto(graph, root)
-    inferred = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)
+    small = _announced_ranges(graph) <= PROPAGATE_ELEMENTS  # data propagation computes them (2^40: never ends)
+    inferred = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=small)
     infos = {vi.name: vi for vi in [*inferred.graph.value_info, *inferred.graph.output]}
     for name, tensor in graph.tensors().items():
         vi = infos.get(name)
@@ -49,6 +54,24 @@ def infer(graph: gs.Graph, root: Path | None = None) -> None:
         if shape is not None:
             tensor.shape = shape
     finish(graph, root)
+
+
+def _announced_ranges(graph: gs.Graph) -> int:
+    """Elements of the largest Range with constant bounds; InputError past MAX_ELEMENTS (nothing runs)."""
+    largest = 0
+    for node in graph.nodes:
+        if node.op != "Range" or len(node.inputs) != 3:
+            continue
+        bounds = [constants.scalar(t) for t in node.inputs]
+        if None in bounds or bounds[2] == 0 or not all(math.isfinite(b) for b in bounds):
+            continue
+        start, limit, delta = bounds
+        count = max(0, math.ceil((limit - start) / delta))
+        if count > MAX_ELEMENTS:
+            raise InputError(f"node '{node.name}' (Range): {count} elements from {start:g} to {limit:g} step {delta:g} "
+                             f"(at most 2^31)")
+        largest = max(largest, count)
+    return largest
 
 
 def finish(graph: gs.Graph, root: Path | None = None) -> None:

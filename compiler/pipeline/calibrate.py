@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import re
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,8 +23,9 @@ import numpy as np
 
 from mtkc.backend.calibration_data import FOLDER, folder_name
 from mtkc.backend.deliver import _write
+from mtkc.backend.owned import calibration_files, foreign_file
 from mtkc.backend.manifest import dumps
-from mtkc.backend.staging import staged
+from mtkc.backend.staging import replace_file, staged
 from mtkc.errors import InputError
 from mtkc.pipeline.verify import load_manifest
 from mtkc.runtime.generate import Generator
@@ -83,7 +82,8 @@ def calibrate(out: str | Path, prompts: list[Prompt], decode_steps: int = 8, max
     _warn_thin(prompts, expected)
     recorder = Recorder()
     use_partitions(generator, manifest, partition_sessions(out, manifest, recorder.tap))
-    with staged(out / FOLDER, overwrite=True, foreign=_foreign) as stage:
+    with staged(out / FOLDER, overwrite=True, foreign=_foreign,
+                remedy="calibrate only replaces the samples it wrote; move the file elsewhere") as stage:
         recorder.root = stage
         for k, prompt in enumerate(prompts):
             recorder.start(k)
@@ -104,9 +104,7 @@ def calibrate(out: str | Path, prompts: list[Prompt], decode_steps: int = 8, max
 
 def save_manifest(out: Path, manifest: dict) -> None:
     """Replace OUT/manifest.json in one rename (readers see the old or the new file)."""
-    tmp = Path(out) / ".manifest.json.mtkc-tmp"
-    _write(tmp, dumps(manifest))
-    os.replace(tmp, Path(out) / "manifest.json")
+    replace_file(Path(out) / "manifest.json", dumps(manifest))
 
 
 class Recorder:
@@ -189,16 +187,8 @@ def _size(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
 
 
-_OWN = re.compile(r"index\.json|ranges\.json|[^/]+|[^/]+/\d+\.npz")
-
-
 def _foreign(folder: Path) -> str | None:
     """Why `folder` is not a calibration set mtkc wrote (then it is never replaced), or None."""
     if any(folder.iterdir()) and not (folder / "index.json").is_file():
         return "no index.json"
-    for path in sorted(folder.rglob("*")):
-        entry = path.relative_to(folder).as_posix()
-        if path.is_symlink() or not _OWN.fullmatch(entry) or (path.is_dir() and "/" in entry):
-            return f"holds '{entry}'"
-    return None
-
+    return foreign_file(folder, calibration_files(folder))

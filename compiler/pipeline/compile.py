@@ -30,7 +30,7 @@ from mtkc.errors import InputError
 from mtkc.ir.model import Model, external_info, load
 from mtkc.ir.weights import WeightWriter
 from mtkc.manager.pass_manager import PassRecord
-from mtkc.options import Options, of
+from mtkc.options import Options, normalize_sdk, of
 from mtkc.pipeline.build import Build, GraphVariant, build
 from mtkc.runtime.generate import host_tables, write_host_tables
 from mtkc.target.capability import load_table
@@ -52,7 +52,7 @@ class CompileResult:
 
 def default_output(model_path: str | os.PathLike, sdk: str, cwd: str | os.PathLike = ".") -> Path:
     """`<model stem>.mtkc-<sdk>` in `cwd`, or with `-2`, `-3`, ... when that exists."""
-    base = f"{Path(model_path).stem}.mtkc-{sdk}"
+    base = f"{Path(model_path).stem}.mtkc-{normalize_sdk(sdk)}"
     for n in range(1, 10000):
         candidate = Path(cwd) / (base if n == 1 else f"{base}-{n}")
         if not os.path.lexists(candidate):
@@ -63,7 +63,7 @@ def default_output(model_path: str | os.PathLike, sdk: str, cwd: str | os.PathLi
 def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.PathLike,
                   options: Options | dict[str, Any] | None = None, table=None) -> CompileResult:
     """Compile `model_path` for `sdk` into `out_dir` (see the module docstring)."""
-    options = of(options).replace(sdk=sdk)
+    options = of(options).replace(sdk=normalize_sdk(sdk))
     out = Path(out_dir)
     model = load(model_path)
     _check_out(out, model, options.overwrite)

@@ -36,6 +36,7 @@ from mtkc.errors import InputError
 from mtkc.ir.model import ExternalValues, external_info
 from mtkc.ir.model_checks import ExternalDataError, external_fields, external_size, open_external
 from mtkc.ir.outdir import check_graph_file, confined, load_table, read_manifest
+from mtkc.options import Layer, build
 from mtkc.runtime.sessions import Sessions
 
 log = logging.getLogger("mtkc")
@@ -69,7 +70,9 @@ class Generator:
         path = self.root / "manifest.json"
         manifest = read_manifest(self.root)  # shape checked, every path confined to OUT
         options = manifest.get("options") or {}
-        self.mask_value = float(mask_value) if mask_value is not None else mask.value_of(options)
+        given = Layer({"mask_value": mask_value}, "cli") if mask_value is not None else \
+            Layer({"mask_value": options.get("mask_value")}, f"{path}:options")
+        self.mask_value = mask.value_of(build([given]))  # validated as compile's --mask-value is
         self.sessions = Sessions(self.root)  # weights mapped once for every graph
         stages: dict[str, list[tuple[int, Stage]]] = {"prefill": [], "decode": []}
         graphs = manifest.get("graphs", [])

@@ -6,11 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 from mtkc.errors import InputError, MismatchError
-from mtkc.ir.counts import count
-from mtkc.ir.execute import session
+from mtkc.ir.execute import open_session, session, session_options
 from mtkc.ir.outdir import check_graph_file
 from mtkc.runtime.sessions import NO_PREPACKING, Sessions
 
@@ -21,13 +19,10 @@ def load_session(path: Path):
     From the path when onnxruntime takes it as is (it maps external data, no copy in Python); a
     model whose external data it refuses (a Hugging Face cache layout) goes through `session`."""
     proto = check_graph_file(path)  # external data inside its folder and within the files
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options = session_options()
     options.add_session_config_entry(NO_PREPACKING, "1")  # a prepacked copy would double the weights
     try:
-        count("sessions")
-        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        return open_session(str(path), options, str(path))
     except Exception:  # onnxruntime's own error types; the proto route below names the problem
         pass
     return session(proto, path.parent)
@@ -48,6 +43,10 @@ def run_partitions(out: Path, graph: dict, feeds: dict[str, np.ndarray], session
         names = [o["name"] for o in part["outputs"]]
         feeds_ = {i["name"]: env[i["name"]] for i in part["inputs"]}
         env.update(zip(names, guarded(lambda: session.run(names, feeds_), f"partition {graph['name']}/{part['id']}")))
+    missing = [o["name"] for o in graph["outputs"] if o["name"] not in env]
+    if missing:
+        raise InputError(f"{Path(out) / 'manifest.json'}: graph {graph['name']} output '{missing[0]}' is made by none of its "
+                         f"{len(graph['partitions'])} partition(s)")
     return {o["name"]: env[o["name"]] for o in graph["outputs"]}
 
 

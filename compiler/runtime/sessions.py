@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from mtkc.ir.counts import count
+from mtkc.ir.execute import Bounded, open_session, session_options
 from mtkc.ir.outdir import check_graph_file
 
 NO_PREPACKING = "session.disable_prepacking"
@@ -27,27 +27,25 @@ NO_PREPACKING = "session.disable_prepacking"
 class Sessions:
     """Sessions by path (each opened once), external weights under `root` mapped once for all."""
 
-    def __init__(self, root: str | Path, optimize: bool = True):
+    def __init__(self, root: str | Path, optimize: bool = True, seconds: tuple[float, float] | None = None):
         self.root = Path(root).resolve()
         self.optimize = optimize
-        self._sessions: dict[Path, ort.InferenceSession] = {}
+        self.seconds = seconds or (None, None)  # deadlines to load, to run (default: `mtkc.ir.execute`'s)
+        self._sessions: dict[Path, Bounded] = {}
         self._maps: dict[Path, np.memmap] = {}
         self._values: list[ort.OrtValue] = []  # must outlive the sessions that use them
 
-    def get(self, path: str | Path) -> ort.InferenceSession:
+    def get(self, path: str | Path) -> Bounded:
         path = Path(path)
         if path not in self._sessions:
             self._sessions[path] = self._open(path)
         return self._sessions[path]
 
-    def _open(self, path: Path) -> ort.InferenceSession:
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        options.add_session_config_entry(NO_PREPACKING, "1")
+    def _open(self, path: Path) -> Bounded:
         # basic (constant folding, redundant nodes) keeps the numbers; extended levels fuse QDQ
         # pairs into integer kernels, which a reference for NPU graphs must not do
-        options.graph_optimization_level = (ort.GraphOptimizationLevel.ORT_ENABLE_BASIC if self.optimize
-                                            else ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+        options = session_options(self.optimize)
+        options.add_session_config_entry(NO_PREPACKING, "1")
         proto = check_graph_file(path)  # external data inside OUT and within its files, before onnxruntime reads it
         for tensor in proto.graph.initializer:
             view = self._view(tensor, path.parent)
@@ -55,8 +53,8 @@ class Sessions:
                 value = ort.OrtValue.ortvalue_from_numpy(view)
                 self._values.append(value)
                 options.add_initializer(tensor.name, value)
-        count("sessions")
-        return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        return open_session(str(path), options, str(path.relative_to(self.root) if path.is_relative_to(self.root) else path),
+                            *self.seconds)
 
     def _view(self, tensor: onnx.TensorProto, folder: Path) -> np.ndarray | None:
         """The tensor's bytes in its file's mapping; None (onnxruntime loads it) when it is not a

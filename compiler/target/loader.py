@@ -12,6 +12,7 @@ import re
 import tomllib
 
 from mtkc.errors import InputError
+from mtkc.options import normalize_sdk
 from mtkc.target.model import (
     CONSTRAINTS,
     DEFAULT_CONSTRAINTS,
@@ -26,16 +27,6 @@ from mtkc.target.model import (
 )
 
 FILE_RE = re.compile(r"^neuropilot-(\d+(?:\.\d+)*)\.toml$")
-
-
-def normalize_sdk(sdk: str) -> str:
-    """'6', 'np6', 'v6.0', 'neuropilot-6.0' -> '6.0'."""
-    text = str(sdk).strip().lower()
-    for prefix in ("neuropilot-", "neuropilot", "np", "v"):
-        if text.startswith(prefix):
-            text = text[len(prefix):]
-            break
-    return f"{text}.0" if text.isdigit() else text
 
 
 class Catalog:
