@@ -30,7 +30,7 @@ from mtkc.contract import mask as contract_mask
 from mtkc.errors import InputError
 from mtkc.ir import weights
 from mtkc.ir.execute import session
-from mtkc.pipeline.calibrate import folder_name, load_samples, npu_partitions
+from mtkc.pipeline.calibrate import folder_name, load_samples, npu_partitions, read_sample
 from mtkc.pipeline.verify import load_manifest
 from mtkc.runtime.generate import Generator
 from mtkc.runtime.partitioned import GraphRunner, partition_sessions, use_partitions
@@ -151,12 +151,13 @@ def raise_opset(proto: onnx.ModelProto, version: int = 21) -> onnx.ModelProto:
 
 
 class SampleReader:
-    """onnxruntime `CalibrationDataReader` over one partition's stored samples. `set_range` lets the
-    calibrator take them one at a time (`CalibStridedMinMax`: each sample's intermediate tensors
-    are reduced to min/max before the next runs, so memory does not grow with the samples)."""
+    """onnxruntime `CalibrationDataReader` over one partition's stored samples (cast back to the
+    input dtypes: `read_sample`). `set_range` lets the calibrator take them one at a time
+    (`CalibStridedMinMax`: each sample's intermediate tensors are reduced to min/max before the
+    next runs, so memory does not grow with the samples)."""
 
-    def __init__(self, files: list[Path]):
-        self.files = list(files)
+    def __init__(self, files: list[Path], inputs: list[dict]):
+        self.files, self.inputs = list(files), inputs
         self.position, self.end = 0, len(self.files)
 
     def set_range(self, start_index: int, end_index: int) -> None:
@@ -166,8 +167,7 @@ class SampleReader:
         if self.position >= self.end:
             return None
         self.position += 1
-        with np.load(self.files[self.position - 1], allow_pickle=False) as data:
-            return {k: data[k] for k in data.files}
+        return read_sample(self.files[self.position - 1], self.inputs)
 
     def __len__(self) -> int:
         return len(self.files)
@@ -195,7 +195,7 @@ def quantize_partition(out: Path, manifest: dict, graph: dict, part: dict, schem
     logging.getLogger().setLevel(logging.ERROR)  # onnxruntime.quantization logs advice through the root logger
     try:
         quantize_static(
-            str(source), str(target), SampleReader(files), quant_format=QuantFormat.QDQ, per_channel=True,
+            str(source), str(target), SampleReader(files, part["inputs"]), quant_format=QuantFormat.QDQ, per_channel=True,
             activation_type=QuantType.QInt16 if a_bits == 16 else QuantType.QUInt8,
             weight_type={16: QuantType.QInt16, 8: QuantType.QInt8, 4: QuantType.QInt4}[w_bits],
             op_types_to_quantize=op_types,
