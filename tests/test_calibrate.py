@@ -7,8 +7,10 @@ One tiny Qwen2 KV-cache compile (T=8, C=64) calibrated once with 10 prompts of 2
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import shutil
+import sys
 import tracemalloc
 
 import numpy as np
@@ -166,3 +168,18 @@ def test_cli_prints_disk_warns_and_refuses_past_max_bytes(out, tmp_path, run_cli
     code, stdout, err = run_cli("calibrate", copy, "--prompts", jsonl, "--decode-steps", 4, "--decode-samples", 2)
     assert code == 0, err
     assert "decode.npu0: 6 samples" in stdout and "2 stored per prompt" in stdout and " s)" in stdout
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_line_on_a_terminal(out, tmp_path, monkeypatch):
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    calibrate(copy, [Prompt(p) for p in PROMPTS[:3]], 1)
+    drawn = terminal.getvalue()
+    assert "mtkc: calibrate 3/3 prompts" in drawn and drawn.endswith("\r\x1b[K")  # drawn, then erased

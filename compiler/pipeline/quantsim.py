@@ -27,10 +27,11 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from mtkc.contract import mask as contract_mask
+from mtkc.display import Progress
 from mtkc.errors import InputError
 from mtkc.ir import weights
 from mtkc.ir.execute import session
-from mtkc.pipeline.calibrate import folder_name, load_samples, npu_partitions, read_sample
+from mtkc.pipeline.calibrate import folder_name, load_samples, npu_partitions, read_sample, reopen_as_partitions
 from mtkc.pipeline.verify import load_manifest
 from mtkc.runtime.generate import Generator
 from mtkc.runtime.partitioned import GraphRunner, partition_sessions, use_partitions
@@ -314,9 +315,11 @@ def simulate(out: str | Path, scheme: str, prompts: list[list[int]], new_tokens:
 
     with tempfile.TemporaryDirectory(prefix="mtkc-quant-") as tmp:
         quantized = {}
-        for graph, part in npu_partitions(manifest):
-            quantized[graph["name"], part["id"]] = quantize_partition(
-                out, manifest, graph, part, scheme, keep, Path(tmp), calibration_samples)
+        with Progress(f"verify --quant {scheme}: quantising", total=len(npu_partitions(manifest)), unit="partition") as progress:
+            for graph, part in npu_partitions(manifest):
+                quantized[graph["name"], part["id"]] = quantize_partition(
+                    out, manifest, graph, part, scheme, keep, Path(tmp), calibration_samples)
+                progress.advance()
 
         def floating(graph, part):
             path = out / part["path"]
@@ -350,20 +353,24 @@ def simulate(out: str | Path, scheme: str, prompts: list[list[int]], new_tokens:
                 return [ref[n] for n in names]
 
         reference = Generator(out)
+        reopen_as_partitions(reference)  # its whole-graph sessions are not kept beside the partitions'
         for stage in reference.prefill + reference.decode:
             stage.session = Compare(out, next(g for g in manifest["graphs"] if g["name"] == stage.name), {})
         quantised = Generator(out)
+        reopen_as_partitions(quantised)
         use_partitions(quantised, manifest, quant_sessions)
         per_prompt = []
-        for ids in prompts:
-            try:
-                want = reference.generate(ids, new_tokens)
-                got = quantised.generate(ids, new_tokens)
-            except InputError as exc:
-                raise InputError(f"prompt of {len(ids)} tokens: {exc}") from None
-            same = [a == b for a, b in zip(want, got)]
-            per_prompt.append({"float": want, "quant": got, "agreement": float(np.mean(same)) if same else 1.0,
-                               "prefix": next((k for k, s in enumerate(same) if not s), len(same))})
+        with Progress(f"verify --quant {scheme}", total=len(prompts), unit="prompt") as progress:
+            for ids in prompts:
+                try:
+                    want = reference.generate(ids, new_tokens)
+                    got = quantised.generate(ids, new_tokens)
+                except InputError as exc:
+                    raise InputError(f"prompt of {len(ids)} tokens: {exc}") from None
+                same = [a == b for a, b in zip(want, got)]
+                per_prompt.append({"float": want, "quant": got, "agreement": float(np.mean(same)) if same else 1.0,
+                                   "prefix": next((k for k, s in enumerate(same) if not s), len(same))})
+                progress.advance()
     result.outputs = [{"graph": g, "output": o, "cosine": s.cosine, "worst_call_cosine": s.worst, "max_abs": s.max_abs,
                        **({"top1": s.top1 / s.rows} if s.rows else {})} for (g, o), s in stats.items()]
     by_layer: dict[int, dict[str, float]] = {}
