@@ -1,19 +1,23 @@
 """`mtkc calibrate`: every NPU partition's inputs on real prompts, stored so they feed the partition.
 
 One tiny Qwen2 KV-cache compile (T=8, C=64) calibrated once with 10 prompts of 2..20 tokens and
-3 decode steps; the checks run on what it wrote.
+3 decode steps (one stored per prompt, the default); the checks run on what it wrote.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import shutil
+import sys
+import tracemalloc
 
 import numpy as np
 import pytest
 
-from mtkc.pipeline.calibrate import calibrate
+from mtkc.backend.calibration_data import read_sample
+from mtkc.pipeline.calibrate import Running, calibrate, plan, sample_bytes, stored
 from mtkc.pipeline.compile import compile_model
 from mtkc.runtime.graphs import load_session
 from mtkc.runtime.prompts import Prompt
@@ -43,14 +47,16 @@ def test_samples_feed_each_npu_partition_with_finite_outputs(out):
     assert {g["name"] for g, _ in parts} == {"prefill", "decode"}
     for graph, part in parts:
         files = sorted((out / "calibration" / f"{graph['name']}.{part['id']}").glob("*.npz"))
-        expected = sum(-(-len(p) // T) for p in PROMPTS) if graph["name"] == "prefill" else DECODE * len(PROMPTS)
+        expected = sum(-(-len(p) // T) for p in PROMPTS) if graph["name"] == "prefill" else len(PROMPTS)
         assert len(files) == expected
         session = load_session(out / part["path"])
         names = [o.name for o in session.get_outputs()]
         for f in files[:: max(1, len(files) // 6)]:
             with np.load(f) as data:
                 assert sorted(data.files) == sorted(i["name"] for i in part["inputs"])
-                feed = {k: data[k] for k in data.files}
+                assert {data[i["name"]].dtype.name for i in part["inputs"] if i["dtype"] == "float32"} == {"float16"}
+            feed = read_sample(f, part["inputs"])
+            assert {k: v.dtype.name for k, v in feed.items()} == {i["name"]: i["dtype"] for i in part["inputs"]}
             for value in session.run(names, feed):
                 assert np.isfinite(value).all(), f.name
 
@@ -58,7 +64,8 @@ def test_samples_feed_each_npu_partition_with_finite_outputs(out):
 def test_decode_samples_carry_a_filling_cache(out):
     index = json.loads((out / "calibration" / "index.json").read_text())
     decode = [s for s in index["samples"] if s["graph"] == "decode"]
-    assert len(decode) == DECODE * len(PROMPTS)
+    assert len(decode) == len(PROMPTS) and index["decode_samples"] == 1 and index["float32_as"] == "float16"
+    assert {s["step"] for s in decode} == set(range(DECODE))  # one step per prompt, every step across prompts
     for sample in decode:
         with np.load(out / "calibration" / sample["dir"] / sample["file"]) as data:
             visible = int((data["attention_mask"][0, 0, 0, :C] == 0).sum())  # cache slots the token attends
@@ -73,14 +80,62 @@ def test_ranges_bound_every_sample(out):
         with np.load(out / "calibration" / sample["dir"] / sample["file"]) as data:
             for key in data.files:
                 r = ranges[sample["dir"]][key]
-                assert r["min"] <= data[key].min() and data[key].max() <= r["max"]
+                low, high = np.array([r["min"], r["max"]], data[key].dtype)  # rounding is monotonic
+                assert low <= data[key].min() and data[key].max() <= high
                 assert r["min"] <= r["p1"] <= r["p50"] <= r["p99"] <= r["max"]
+
+
+def test_histogram_percentiles_within_half_a_bin_and_memory_bounded():
+    rng = np.random.default_rng(0)
+    values = np.concatenate([rng.standard_normal(20000) * 3, rng.exponential(50, 5000), np.zeros(1000)])
+    running = Running()
+    for chunk in np.array_split(rng.permutation(values), 7):
+        running.add(chunk.astype(np.float32))
+    qs = (0.1, 1.0, 50.0, 99.0, 99.9)
+    for got, want in zip(running.percentiles(qs), np.percentile(values, qs)):
+        assert abs(got - want) <= 0.012 * abs(want) + 0.05, (got, want)  # half a bin, plus sampling
+    assert running.min == float(values.astype(np.float32).min()) and running.max == float(values.astype(np.float32).max())
+    assert running.counts.nbytes < 64 << 10 and running.counts.sum() == values.size
+
+
+def test_float32_stored_as_float16_only_when_every_value_fits():
+    small = np.array([1.5, -65504.0, 3e-3], np.float32)
+    assert stored(small).dtype == np.float16 and np.allclose(stored(small), small, rtol=1e-3)
+    assert stored(np.array([70000.0], np.float32)).dtype == np.float32
+    assert stored(np.array([1, 2], np.int32)).dtype == np.int32
+
+
+def test_heap_flat_in_the_number_of_prompts(out, tmp_path):
+    """Python's heap peak (numpy arrays included) while calibrating 3 and 12 prompts: only the index grows."""
+    peaks = {}
+    for n in (3, 12):
+        copy = tmp_path / f"c{n}"
+        shutil.copytree(out, copy)
+        tracemalloc.start()
+        calibrate(copy, [Prompt(p) for p in (PROMPTS * 2)[:n]], DECODE)
+        peaks[n] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peaks[12] - peaks[3] < 256 << 10, peaks  # a float64 subsample per sample grew ~75 KB per sample
+
+
+def test_announced_bytes_bound_what_is_written(out, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    manifest = _manifest(copy)
+    expected = plan(manifest, [Prompt(p) for p in PROMPTS], T, DECODE, 1)
+    entry = calibrate(copy, [Prompt(p) for p in PROMPTS], DECODE, max_bytes=expected.bytes)
+    written = sum(f.stat().st_size for f in (copy / "calibration").rglob("*.npz"))
+    assert entry["bytes"] == written <= expected.bytes
+    assert expected.samples == entry["samples"]
+    parts = {f"{g['name']}.{p['id']}": p for g, p in _npu(copy)}
+    assert all(f.stat().st_size <= sample_bytes(parts[f.parent.name]) for f in (copy / "calibration").rglob("*.npz"))
 
 
 def test_manifest_records_calibration_and_rerun_is_byte_identical(out, tmp_path):
     entry = _manifest(out)["calibration"]
     assert entry["path"] == "calibration" and entry["prompts"] == len(PROMPTS) and entry["decode_steps"] == DECODE
-    assert entry["samples"] == {"decode.npu0": DECODE * len(PROMPTS), "prefill.npu0": sum(-(-len(p) // T) for p in PROMPTS)}
+    assert entry["samples"] == {"decode.npu0": len(PROMPTS), "prefill.npu0": sum(-(-len(p) // T) for p in PROMPTS)}
+    assert entry["bytes"] == sum(f.stat().st_size for f in (out / "calibration").rglob("*.npz"))
     copy = tmp_path / "again"
     shutil.copytree(out, copy)
     calibrate(copy, [Prompt(p) for p in PROMPTS], DECODE)
@@ -110,3 +165,22 @@ def test_cli_prints_disk_warns_and_refuses_past_max_bytes(out, tmp_path, run_cli
     assert code == 0, err
     assert json.loads(stdout)["samples"] == {"decode.npu0": 3, "prefill.npu0": 3}
     assert "MiB on disk" in err and "fewer than 200" in err and "decode.npu0 has 3" in err
+    assert "--decode-steps 1 runs 1 decode call(s) per prompt" in err and "calibrated 3 prompt(s) in" in err
+    code, stdout, err = run_cli("calibrate", copy, "--prompts", jsonl, "--decode-steps", 4, "--decode-samples", 2)
+    assert code == 0, err
+    assert "decode.npu0: 6 samples" in stdout and "2 stored per prompt" in stdout and " s)" in stdout
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_line_on_a_terminal(out, tmp_path, monkeypatch):
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    calibrate(copy, [Prompt(p) for p in PROMPTS[:3]], 1)
+    drawn = terminal.getvalue()
+    assert "mtkc: calibrate 3/3 prompts" in drawn and drawn.endswith("\r\x1b[K")  # drawn, then erased

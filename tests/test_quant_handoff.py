@@ -83,3 +83,33 @@ def test_standin_rejects_samples_of_another_partition(out, tmp_path):
     argv[-3] = str(out / "calibration" / "decode.npu0")
     proc = subprocess.run(argv, capture_output=True, text=True)
     assert proc.returncode == 1 and "unknown precision 'int8'" in proc.stderr
+
+
+def test_quantising_script_feeds_the_converter_float32_samples(out, tmp_path):
+    """The script convert.sh runs, against a stub `mtk_converter` that records what calibration_data_gen yields:
+    float16-stored samples reach the converter cast back to the partition's float32 inputs."""
+    import subprocess
+
+    from mtkc.backend.quant_handoff import PY_QUANT
+
+    (tmp_path / "mtk_converter.py").write_text(
+        "import json\n"
+        "class OnnxConverter:\n"
+        "    @classmethod\n"
+        "    def from_model_proto_file(cls, src, input_names, input_shapes):\n"
+        "        return cls()\n"
+        "    def convert_to_tflite(self, output_file, tflite_op_export_spec):\n"
+        "        seen = [[(str(a.dtype), list(a.shape)) for a in sample] for sample in self.calibration_data_gen()]\n"
+        "        open(output_file, 'w').write(json.dumps(seen))\n")
+    manifest = json.loads((out / "manifest.json").read_text())
+    part = next(p for g in manifest["graphs"] if g["name"] == "decode" for p in g["partitions"] if p["target"] == "npu")
+    names = ",".join(i["name"] for i in part["inputs"])
+    shapes = ":".join(",".join(map(str, i["shape"])) for i in part["inputs"])
+    dst = tmp_path / "seen.json"
+    proc = subprocess.run([sys.executable, "-c", PY_QUANT, part["path"], str(dst), names, shapes, "calibration/decode.npu0",
+                           "sym8W_sym16A", "spec"], cwd=out, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(dst.read_text())
+    assert len(seen) == manifest["calibration"]["samples"]["decode.npu0"]
+    assert all(s == [[i["dtype"], i["shape"]] for i in part["inputs"]] for s in seen)

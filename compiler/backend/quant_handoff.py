@@ -4,7 +4,8 @@
       per NPU partition: mtk_converter.OnnxConverter(partition.onnx)
                            quantize = True, use_per_output_channel_quantization = True
                            calibration_data_gen = the partition's OUT/calibration/<graph>.<partition>/*.npz
-                                                  (inputs in the partition's input order)
+                                                  (inputs in the partition's input order, each cast to
+                                                  its input dtype: float32 is stored as float16)
                            precision_proportion = {PRECISION[scheme]: 1.0}
                          -> .tflite -> ncc-tflite (the SDK table's compile command) -> .dla
 
@@ -30,17 +31,19 @@ ATTESTED = {"sym8W_sym16A"}
 
 PY_QUANT = """\
 import glob, json, sys
-import numpy as np, mtk_converter
+import numpy as np, onnx, mtk_converter
 src, dst, names, shapes, calibration, precision, spec = sys.argv[1:8]
 names = json.loads(names)
+graph = onnx.load(src, load_external_data=False).graph
+dtypes = dict((i.name, onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)) for i in graph.input)
 converter = mtk_converter.OnnxConverter.from_model_proto_file(
     src, input_names=names,
     input_shapes=[[int(d) for d in s.split(',') if d] for s in shapes.split(':')])
 
 def samples():
     for path in sorted(glob.glob(calibration + '/*.npz')):
-        with np.load(path, allow_pickle=False) as data:
-            yield [data[name].astype(np.float32) if data[name].dtype == np.float16 else data[name] for name in names]
+        with np.load(path, allow_pickle=False) as data:  # float16 samples of float32 inputs: cast back
+            yield [np.asarray(data[name], dtypes[name]) for name in names]
 
 converter.quantize = True
 converter.use_per_output_channel_quantization = True

@@ -24,13 +24,15 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_graphsurgeon as gs
 
 from mtkc.backend.calibration_data import folder_name, read_sample, sample_files
 from mtkc.contract import mask as contract_mask
+from mtkc.display import Progress
 from mtkc.errors import InputError
+from mtkc.ir import weights
 from mtkc.ir.execute import session
-from mtkc.ir.model import external_info
-from mtkc.pipeline.calibrate import npu_partitions
+from mtkc.pipeline.calibrate import npu_partitions, reopen_as_partitions
 from mtkc.pipeline.verify import load_manifest
 from mtkc.runtime.generate import Generator
 from mtkc.runtime.partitioned import GraphRunner, partition_sessions, use_partitions
@@ -82,9 +84,9 @@ def parse_layers(text: str | None) -> list[int]:
     return layers
 
 
-def overrides(graph: onnx.GraphProto, scheme: str, keep: set[int]) -> dict[str, list[dict]]:
+def overrides(graph: onnx.GraphProto, scheme: str, keep: set[int], base_dir: str = "") -> dict[str, list[dict]]:
     """onnxruntime `TensorQuantOverrides`: every float constant's precision and axis, and the
-    activations inside `keep` layers at 16 bits."""
+    activations inside `keep` layers at 16 bits. External weights are read from `base_dir`, one at a time."""
     from onnxruntime.quantization import QuantType
 
     a_bits, w_bits = SCHEMES[scheme]
@@ -98,7 +100,8 @@ def overrides(graph: onnx.GraphProto, scheme: str, keep: set[int]) -> dict[str, 
                 continue
             if k == weight_index(node):
                 bits = 16 if kept else w_bits
-                result[name] = channel_scales(floats[name], channel_axis(node, len(floats[name].dims)), bits, signed[bits])
+                result[name] = channel_scales(floats[name], channel_axis(node, len(floats[name].dims)), bits, signed[bits],
+                                              base_dir)
             else:
                 result[name] = [{"quant_type": signed[16 if kept else a_bits], "symmetric": True}]
     if keep and a_bits != 16:
@@ -114,13 +117,13 @@ def overrides(graph: onnx.GraphProto, scheme: str, keep: set[int]) -> dict[str, 
     return result
 
 
-def channel_scales(weight: onnx.TensorProto, axis: int, bits: int, qtype) -> list[dict]:
+def channel_scales(weight: onnx.TensorProto, axis: int, bits: int, qtype, base_dir: str = "") -> list[dict]:
     """Per-output-channel overrides on MediaTek's grid (torch's symmetric observer): codes in
     [-2^(b-1), 2^(b-1)-1], scale = absmax / ((qmax - qmin) / 2). onnxruntime's own symmetric int8/16
     range drops the lowest code (scale absmax/127), a different grid."""
     from onnx import numpy_helper
 
-    values = np.moveaxis(numpy_helper.to_array(weight), axis, 0)
+    values = np.moveaxis(numpy_helper.to_array(weight, base_dir), axis, 0)
     absmax = np.abs(values.reshape(values.shape[0], -1)).max(axis=1)
     scales = absmax / ((2 ** bits - 1) / 2)
     scales = np.where(scales > 0, scales, 1.0).astype(np.float32)
@@ -150,9 +153,10 @@ def raise_opset(proto: onnx.ModelProto, version: int = 21) -> onnx.ModelProto:
 
 
 class SampleReader:
-    """onnxruntime `CalibrationDataReader` over one partition's stored samples. `set_range` lets the
-    calibrator take them one at a time (`CalibStridedMinMax`: each sample's intermediate tensors
-    are reduced to min/max before the next runs, so memory does not grow with the samples)."""
+    """onnxruntime `CalibrationDataReader` over one partition's stored samples (cast back to the
+    input dtypes: `read_sample`). `set_range` lets the calibrator take them one at a time
+    (`CalibStridedMinMax`: each sample's intermediate tensors are reduced to min/max before the
+    next runs, so memory does not grow with the samples)."""
 
     def __init__(self, files: list[Path], inputs: list[dict]):
         self.files, self.inputs = list(files), inputs
@@ -177,20 +181,15 @@ def quantize_partition(out: Path, manifest: dict, graph: dict, part: dict, schem
     `samples`: calibrate on at most that many stored samples, evenly spaced (default: all)."""
     import logging
 
-    from onnx.external_data_helper import load_external_data_for_model
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     files = sample_files(out, manifest, folder_name(graph, part))
     if samples and len(files) > samples:
         files = [files[k * len(files) // samples] for k in range(samples)]
-    proto = raise_opset(onnx.load(str(out / part["path"]), load_external_data=False))
-    big = sum(t.ByteSize() for t in proto.graph.initializer) + sum(
-        int(e.get("length", 0)) for e in ((external_info(t) or {}) for t in proto.graph.initializer)) > 1 << 30
-    load_external_data_for_model(proto, str(out))  # a private copy: onnx refuses links to OUT's weights
-    source = workdir / f"{graph['name']}.{part['id']}.float.onnx"
-    onnx.save(proto, str(source), save_as_external_data=big, location=f"{source.name}.data")
+    source = float_copy(out / part["path"], workdir / f"{graph['name']}.{part['id']}.float.onnx")
+    proto = onnx.load(str(source), load_external_data=False)
     op_types = sorted({n.op_type for n in proto.graph.node})
-    tensor_overrides = overrides(proto.graph, scheme, keep)
+    tensor_overrides = overrides(proto.graph, scheme, keep, base_dir=str(workdir))
     del proto
     target = workdir / f"{graph['name']}.{part['id']}.{scheme}.onnx"
     a_bits, w_bits = SCHEMES[scheme]
@@ -202,13 +201,20 @@ def quantize_partition(out: Path, manifest: dict, graph: dict, part: dict, schem
             activation_type=QuantType.QInt16 if a_bits == 16 else QuantType.QUInt8,
             weight_type={16: QuantType.QInt16, 8: QuantType.QInt8, 4: QuantType.QInt4}[w_bits],
             op_types_to_quantize=op_types,
-            calibrate_method=CalibrationMethod.MinMax, use_external_data_format=big,
+            calibrate_method=CalibrationMethod.MinMax, use_external_data_format=True,
             extra_options={"ActivationSymmetric": a_bits == 16, "WeightSymmetric": True, "CalibStridedMinMax": 1,
                            "TensorQuantOverrides": tensor_overrides})
     finally:
         logging.getLogger().setLevel(quiet)
     return target
 
+
+def float_copy(partition: Path, path: Path) -> Path:
+    """The partition at opset 21 as `path`, its weights copied file to file into `<path.name>.data`
+    (onnx refuses links to OUT's weights.bin; no weight is held in memory, no proto serialised whole)."""
+    proto = raise_opset(onnx.load(str(partition), load_external_data=False))
+    weights.save(gs.import_onnx(proto), partition.parent, path)
+    return path
 
 def with_outputs(path: Path, names: list[str], root: Path):
     """An ORT session of the model at `path` that also outputs the tensors `names` (layer probes)."""
@@ -310,9 +316,11 @@ def simulate(out: str | Path, scheme: str, prompts: list[list[int]], new_tokens:
 
     with tempfile.TemporaryDirectory(prefix="mtkc-quant-") as tmp:
         quantized = {}
-        for graph, part in npu_partitions(manifest):
-            quantized[graph["name"], part["id"]] = quantize_partition(
-                out, manifest, graph, part, scheme, keep, Path(tmp), calibration_samples)
+        with Progress(f"verify --quant {scheme}: quantising", total=len(npu_partitions(manifest)), unit="partition") as progress:
+            for graph, part in npu_partitions(manifest):
+                quantized[graph["name"], part["id"]] = quantize_partition(
+                    out, manifest, graph, part, scheme, keep, Path(tmp), calibration_samples)
+                progress.advance()
 
         def floating(graph, part):
             path = out / part["path"]
@@ -346,20 +354,24 @@ def simulate(out: str | Path, scheme: str, prompts: list[list[int]], new_tokens:
                 return [ref[n] for n in names]
 
         reference = Generator(out)
+        reopen_as_partitions(reference)  # its whole-graph sessions are not kept beside the partitions'
         for stage in reference.prefill + reference.decode:
             stage.session = Compare(out, next(g for g in manifest["graphs"] if g["name"] == stage.name), {})
         quantised = Generator(out)
+        reopen_as_partitions(quantised)
         use_partitions(quantised, manifest, quant_sessions)
         per_prompt = []
-        for ids in prompts:
-            try:
-                want = reference.generate(ids, new_tokens)
-                got = quantised.generate(ids, new_tokens)
-            except InputError as exc:
-                raise InputError(f"prompt of {len(ids)} tokens: {exc}") from None
-            same = [a == b for a, b in zip(want, got)]
-            per_prompt.append({"float": want, "quant": got, "agreement": float(np.mean(same)) if same else 1.0,
-                               "prefix": next((k for k, s in enumerate(same) if not s), len(same))})
+        with Progress(f"verify --quant {scheme}", total=len(prompts), unit="prompt") as progress:
+            for ids in prompts:
+                try:
+                    want = reference.generate(ids, new_tokens)
+                    got = quantised.generate(ids, new_tokens)
+                except InputError as exc:
+                    raise InputError(f"prompt of {len(ids)} tokens: {exc}") from None
+                same = [a == b for a, b in zip(want, got)]
+                per_prompt.append({"float": want, "quant": got, "agreement": float(np.mean(same)) if same else 1.0,
+                                   "prefix": next((k for k, s in enumerate(same) if not s), len(same))})
+                progress.advance()
     result.outputs = [{"graph": g, "output": o, "cosine": s.cosine, "worst_call_cosine": s.worst, "max_abs": s.max_abs,
                        **({"top1": s.top1 / s.rows} if s.rows else {})} for (g, o), s in stats.items()]
     by_layer: dict[int, dict[str, float]] = {}
