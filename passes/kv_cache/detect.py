@@ -96,7 +96,7 @@ def _softmax_below(tensor: gs.Tensor, depth: int = 6) -> gs.Node | None:
             for node in t.outputs:
                 if node.op == "Softmax":
                     return node
-                if node.op in {"Add", "Where", "Mul", "Div", "Cast", "Sub"}:
+                if node.op in {"Add", "Where", "Mul", "Div", "Cast", "Sub", "Tanh"}:  # Tanh: soft-capping
                     nxt += node.outputs
         frontier = nxt
     return None
