@@ -69,7 +69,7 @@ import sys
 import warnings
 from pathlib import Path
 
-FAMILIES = ("qwen2", "llama")
+FAMILIES = ("qwen2", "llama", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "phi35", "phi4mini", "llama3")
 SIZES = ("tiny", "0.5b", "1.5b")
 EXPORTERS = ("legacy14", "legacy17", "dynamo", "hf", "hf-ortfused", "dynamo-ortfused", "ortopt", "hf-generate",
              "dynamo-cacheobj", "genai-fp32", "genai-int4", "genai-int4-acc1", "optimum")
@@ -82,7 +82,8 @@ _DIMS = {  # hidden, layers, heads, kv heads, intermediate, vocab
 
 
 def model_config(family: str = "qwen2", size: str = "tiny", layers: int | None = None):
-    """The transformers config: Qwen2.5 (q/k/v bias, tied) or Llama-style (no bias, untied)."""
+    """The transformers config: Qwen2.5 (q/k/v bias, tied) or Llama-style (no bias, untied), or one of
+    the tiny-only families in `_TINY_FAMILIES` (their real structure, small dims and windows)."""
     from transformers import LlamaConfig, Qwen2Config
 
     if family not in FAMILIES:
@@ -91,6 +92,10 @@ def model_config(family: str = "qwen2", size: str = "tiny", layers: int | None =
         raise ValueError(f"unknown size {size!r}; expected one of {SIZES}")
     common = dict(hidden_act="silu", initializer_range=0.3, max_position_embeddings=4096,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if family in _TINY_FAMILIES:
+        if size != "tiny":
+            raise ValueError(f"family {family!r} has only the tiny size")
+        return _tiny_family_config(family, layers, common)
     if family == "qwen2":
         hidden, n_layers, heads, kv, inter, vocab = _DIMS.get(size, (64, 2, 4, 2, 128, 1000))
         config = Qwen2Config(hidden_size=hidden, num_hidden_layers=layers or n_layers,
@@ -108,16 +113,76 @@ def model_config(family: str = "qwen2", size: str = "tiny", layers: int | None =
     return config
 
 
+_TINY_FAMILIES = ("qwen3", "mistral", "gemma2", "gemma3", "phi3", "phi35", "phi4mini", "llama3")
+SLIDING_WINDOW = 8  # the local layers' window (Mistral, Gemma 2/3): shorter than the tests' prompts
+
+
+def _tiny_family_config(family: str, layers: int | None, common: dict):
+    """Tiny configs with each family's structure: hidden 64, 4 heads of 16 (2 KV heads), vocab 1000.
+
+    qwen3: per-head q/k RMSNorm, tied.  mistral: every layer sliding.  gemma2: GeGLU (tanh GELU),
+    embedding x sqrt(hidden), (1 + w) RMSNorm, pre/post norms, attention and final-logit soft-capping,
+    alternating sliding/global layers, query_pre_attn_scalar != head_dim.  gemma3: 5 local : 1 global
+    layers, local RoPE base 1e4 / global 1e6, q/k norm.  phi3: fused qkv and gate_up (Phi-3-mini-4k,
+    default RoPE).  phi35: phi3 with long-rope (short factors: positions stay below
+    original_max_position_embeddings; TorchScript cannot export its factor switch, `aten::copy`).
+    phi4mini: phi35 with partial rotary 0.75, tied.  llama3: llama3 rope scaling, tied.
+    """
+    from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen3Config
+
+    dims = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                vocab_size=1000)
+    n = layers or (6 if family == "gemma3" else 2)
+    if family == "qwen3":
+        return Qwen3Config(**dims, num_hidden_layers=n, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **common)
+    if family == "mistral":
+        return MistralConfig(**dims, num_hidden_layers=n, tie_word_embeddings=False, rms_norm_eps=1e-5,
+                             sliding_window=SLIDING_WINDOW, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                             **common)
+    gemma = dict(common, hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
+    if family == "gemma2":
+        return Gemma2Config(**dims, num_hidden_layers=n, rms_norm_eps=1e-6, query_pre_attn_scalar=24,
+                            sliding_window=SLIDING_WINDOW, attn_logit_softcapping=20.0, final_logit_softcapping=10.0,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1e4}, **gemma)
+    if family == "gemma3":
+        return Gemma3TextConfig(**dims, num_hidden_layers=n, rms_norm_eps=1e-6, query_pre_attn_scalar=24,
+                                sliding_window=SLIDING_WINDOW,
+                                layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)],
+                                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                                 "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
+                                **gemma)
+    if family == "phi3":
+        return Phi3Config(**dims, num_hidden_layers=n, tie_word_embeddings=False, rms_norm_eps=1e-5,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1e4}, **common)
+    if family in ("phi35", "phi4mini"):
+        rotary = 0.75 if family == "phi4mini" else 1.0
+        half = int(16 * rotary) // 2
+        rope = {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": rotary,
+                "original_max_position_embeddings": 256,
+                "short_factor": [1.0 + 0.1 * i for i in range(half)], "long_factor": [2.0 + 0.5 * i for i in range(half)]}
+        return Phi3Config(**dims, num_hidden_layers=n, tie_word_embeddings=family == "phi4mini", rms_norm_eps=1e-5,
+                          original_max_position_embeddings=256, rope_parameters=rope, partial_rotary_factor=rotary,
+                          **common)
+    return LlamaConfig(**dims, num_hidden_layers=n, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                       rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 32.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                       attention_bias=False, mlp_bias=False, **common)
+
+
 def build_model(family: str = "qwen2", size: str = "tiny", seed: int = 0, layers: int | None = None,
                 attn: str = "sdpa"):
     """A random-weight fp32 `Qwen2ForCausalLM` / `LlamaForCausalLM` in eval mode, deterministic per seed."""
     import torch
-    from transformers import LlamaForCausalLM, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM
 
     config = model_config(family, size, layers)
-    cls = Qwen2ForCausalLM if family == "qwen2" else LlamaForCausalLM
+    if family == "gemma2":
+        attn = "eager"  # transformers' sdpa has no soft-capping: Gemma 2 is eager-only
+    cls = {"qwen2": Qwen2ForCausalLM, "llama": LlamaForCausalLM}.get(family, AutoModelForCausalLM)
     torch.manual_seed(seed)
-    model = cls._from_config(config, attn_implementation=attn, dtype=torch.float32)
+    build = cls._from_config if cls is not AutoModelForCausalLM else cls.from_config
+    model = build(config, attn_implementation=attn, dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -125,6 +190,8 @@ def build_model(family: str = "qwen2", size: str = "tiny", seed: int = 0, layers
                 param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
             elif name.endswith(".bias"):
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+        if family.startswith("gemma"):  # x sqrt(hidden) and tied: else the last token wins every logit
+            model.model.embed_tokens.weight.mul_(config.hidden_size ** -0.5)
     return model.eval()
 
 

@@ -14,7 +14,8 @@ reads the 2-D input, `rewrite` swaps M for the new input in place, `finish` drop
 
 Emitted: a graph input `attention_mask` float32 [1, 1, T, C+T] (T = seq_len, C = cache_len, 0
 without cache), 0 where a key is visible and `mask_value` (`mtkc.contract.mask`: default and builder) where it is not,
-feeding every site's Add. The guards that zero fully-masked rows, Where(c, 0, x) with c derived
+feeding every site's Add; sites whose mask hides keys older than a window W (sliding-window
+layers, measured by `mask_window`) get `attention_mask_window_<W>` of the same shape instead. The guards that zero fully-masked rows, Where(c, 0, x) with c derived
 from the mask, go (a finite mask has no fully-masked row), and the 2-D input is removed.
 Refused, leaving the graph untouched: a 2-D mask that something else still needs (unbound
 shapes with a cache; without one, its Shape readers move to input_ids, which has its shape).
@@ -28,6 +29,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from mtkc.contract import cache as contract_cache
 from mtkc.contract import io
 from mtkc.contract import mask as contract_mask
 from mtkc.ir.constants import values as small_values
@@ -38,6 +40,7 @@ from mtkc.rewrite.guards import drop, row_guards
 from mtkc.rewrite.pass_api import Context, Miss, PassResult, register
 from mtkc.rewrite.pattern import Match, Refused
 from mtkc.rewrite.rules import Rule, RulePass, apply
+from mtkc.passes import mask_window
 
 NAME = io.ATTENTION_MASK
 
@@ -72,6 +75,8 @@ class Mask(RulePass):
     def __init__(self):
         self.value = contract_mask.DEFAULT_VALUE
         self.replaced: str | None = None  # the removed 2-D input's name (map_feeds reads it)
+        self.windows: list[int | None] = []  # the windows of the inputs made (None: attention_mask)
+        self.span: int | None = None  # keys the window probe uses (default from the options)
         self.rules = (FromInput(self),)
 
     def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
@@ -88,7 +93,8 @@ class Mask(RulePass):
         keep = np.asarray(feeds.pop(self.replaced))[0].astype(bool)
         total = keep.shape[0]
         seq = int(ctx.options.seq_len or _feed_seq(feeds) or total)
-        feeds[NAME] = contract_mask.additive(seq, total, self.value, keep)[None, None]
+        for window in self.windows:
+            feeds[io.window_mask(window)] = contract_mask.additive(seq, total, self.value, keep, window=window)[None, None]
         return feeds
 
 
@@ -102,15 +108,35 @@ class Site(Rule):
         """ids of the mask's tensors, and what they derive from (for the reasons)."""
         raise NotImplementedError
 
-    def added(self, graph: gs.Graph, ctx: Context) -> gs.Variable:
-        """The new additive input (made at the first rewrite)."""
+    span: int | None = None  # keys the window probe uses
+
+    def added(self, graph: gs.Graph, ctx: Context, window: int | None) -> gs.Variable:
+        """The new additive input of the sites with `window` (made at their first rewrite)."""
         raise NotImplementedError
 
     def start(self, graph: gs.Graph, ctx: Context) -> None:
         derived, label = self.derive(graph)
         self.found = {id(n): _site(n, derived, label) for n in graph.nodes if n.op == "Softmax"}
         self.guards = list({id(n): (n, d) for n, d in row_guards(graph) + _guards(graph, derived)}.values())
-        self.new = None
+        self.new: dict[int | None, gs.Variable] = {}
+        self.cast: dict[tuple, gs.Tensor] = {}  # (window, dtype) -> the input cast for fp16 scores
+        self.windows = self._windows(graph, ctx)
+
+    def _windows(self, graph: gs.Graph, ctx: Context) -> dict[int, int | None]:
+        """id(Softmax) -> its layer's window (None: global); a mask no window explains refuses its site."""
+        sites = {k: s for k, s in self.found.items() if isinstance(s, tuple)}
+        masks = {k: (node.inputs[i], True) if node.op == "Add" else (node.inputs[0], False) for k, (node, i) in sites.items()}
+        span = self.span or ((ctx.options.seq_len or contract_cache.DEFAULT_SEQ_LEN)
+                             + (ctx.options.cache_len or contract_cache.DEFAULT_CACHE_LEN))
+        found = mask_window.probe(graph, list(masks.values()), span, ctx.root)
+        windows = {}
+        for k, (tensor, _) in masks.items():
+            if tensor.name in found.refused:
+                self.found[k] = Miss(sites[k][0].name, f"its mask is neither causal nor a sliding window: "
+                                                      f"{found.refused[tensor.name]}")
+            else:
+                windows[k] = found.windows.get(tensor.name)
+        return windows
 
     def check(self, ctx: Context, m: Match) -> None:
         site = self.found[id(m.anchor)]
@@ -122,28 +148,30 @@ class Site(Rule):
 
     def rewrite(self, op: Emit, ctx: Context, m: Match) -> list[tuple[gs.Tensor, gs.Tensor]]:
         site, index = self.found[id(m.anchor)]
-        if self.new is None:
-            self.new, self.cast = self.added(op.graph, ctx), {}
+        window = self.windows.get(id(m.anchor))
+        if window not in self.new:
+            self.new[window] = self.added(op.graph, ctx, window)
         scores = site.inputs[1 - index] if site.op == "Add" else site.inputs[1]
-        mask = self._as(op, scores.dtype)
+        mask = self._as(op, window, scores.dtype)
         if site.op == "Add":
             site.inputs[index] = mask
             return []
         return [(site.outputs[0], op.Add(site.inputs[1], mask))]
 
-    def _as(self, op: Emit, dtype) -> gs.Tensor:
-        """The float32 input, cast once to the scores' dtype when they are another float (fp16 exports)."""
+    def _as(self, op: Emit, window: int | None, dtype) -> gs.Tensor:
+        """The window's float32 input, cast once to the scores' dtype when they are another float (fp16 exports)."""
+        new = self.new[window]
         if dtype is None or np.dtype(dtype) == np.float32 or not np.issubdtype(np.dtype(dtype), np.floating):
-            return self.new
-        key = np.dtype(dtype).name
+            return new
+        key = (window, np.dtype(dtype).name)
         if key not in self.cast:
-            self.cast[key] = op.Cast(self.new, to=onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype)),
-                                     _dtype=np.dtype(dtype), _shape=self.new.shape)
+            self.cast[key] = op.Cast(new, to=onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype)),
+                                     _dtype=np.dtype(dtype), _shape=new.shape)
         return self.cast[key]
 
     def finish(self, graph: gs.Graph, ctx: Context, result: PassResult) -> None:
         """The guards go (a guard the rewrites left dead went with them, and still counts)."""
-        if self.new is not None:
+        if self.new:
             result.rewrites += len(self.guards)
             drop(graph, [(n, d) for n, d in self.guards if n.outputs])
             toposort(cleanup(graph))
@@ -162,6 +190,7 @@ class FromInput(Site):
         return _downstream([self.old]) - _downstream(others), self.old.name
 
     def start(self, graph, ctx):
+        self.span = self.owner.span
         super().start(graph, ctx)
         sites = [s for s in self.found.values() if isinstance(s, tuple)]
         self.readers = _readers_left(graph, self.old, sites, self.guards) if sites else []
@@ -171,19 +200,22 @@ class FromInput(Site):
     def candidate(self, node):
         return not (self.blocked and isinstance(self.found.get(id(node)), tuple))
 
-    def added(self, graph, ctx):
-        for reader in self.readers:  # no cache: the mask is [batch, seq], like input_ids
-            reader.inputs[0] = self.shapes
-        self.owner.value = contract_mask.value_of(ctx.options)
-        self.owner.replaced = self.old.name
-        self.old.name = f"{self.old.name}.2d"  # the new input takes the name; the old one leaves the graph
-        return _additive_input(graph, ctx, self.old.shape[1] if _has_cache(graph) else None)
+    def added(self, graph, ctx, window):
+        if not self.new:
+            for reader in self.readers:  # no cache: the mask is [batch, seq], like input_ids
+                reader.inputs[0] = self.shapes
+            self.owner.value = contract_mask.value_of(ctx.options)
+            self.owner.replaced = self.old.name
+            self.owner.windows = []
+            self.old.name = f"{self.old.name}.2d"  # the new input takes the name; the old one leaves the graph
+        self.owner.windows.append(window)
+        return _additive_input(graph, ctx, self.old.shape[1] if _has_cache(graph) else None, window)
 
     def finish(self, graph, ctx, result):
         if self.blocked:
             result.misses.append(Miss(self.readers[0].name, f"'{self.old.name}' would still be read by "
                                                             f"{len(self.readers)} node(s) (bind shapes and fold first)"))
-        if self.new is not None:
+        if self.new:
             result.rewrites += len(self.readers)
             super().finish(graph, ctx, result)
             graph.inputs = [t for t in graph.inputs if t is not self.old]
@@ -196,13 +228,13 @@ class FromShapes(Site):
         varying = _downstream(list(graph.inputs))
         return {id(t) for node in graph.nodes for t in node.outputs if id(t) not in varying}, "shapes"
 
-    def added(self, graph, ctx):
-        return _additive_input(graph, ctx, None)
+    def added(self, graph, ctx, window):
+        return _additive_input(graph, ctx, None, window)
 
 
-def _additive_input(graph: gs.Graph, ctx: Context, total) -> gs.Variable:
-    """The new `attention_mask` float input (see `additive_shape`)."""
-    new = gs.Variable(NAME, dtype=np.float32, shape=additive_shape(graph, ctx, total))
+def _additive_input(graph: gs.Graph, ctx: Context, total, window: int | None = None) -> gs.Variable:
+    """The new `attention_mask` (`attention_mask_window_<W>`) float input (see `additive_shape`)."""
+    new = gs.Variable(io.window_mask(window), dtype=np.float32, shape=additive_shape(graph, ctx, total))
     graph.inputs.append(new)
     return new
 
@@ -223,31 +255,33 @@ def additive_shape(graph: gs.Graph, ctx: Context, total=None) -> list:
 
 @dataclass
 class ImplicitMask:
-    """The additive input that replaced a mask computed from shapes alone (no mask input)."""
+    """The additive input(s) that replaced a mask computed from shapes alone (no mask input)."""
 
     name: str
     value: float
+    windows: tuple = (None,)  # one input per window (None: `name`, the global mask)
 
     def map_feeds(self, feeds: dict, ctx: Context) -> dict:
-        """What the export attended: every key up to the query's own position (past P + i)."""
+        """What the export attended: every key up to the query's own position (past P + i), within the window."""
         seq = int(_feed_seq(feeds) or 1)
         past = next((np.asarray(v).shape[2] for k, v in sorted(feeds.items())
                      if k.startswith("past_") and np.ndim(v) == 4), 0)
-        visible = np.arange(past + seq)[None, :] <= past + np.arange(seq)[:, None]
-        return {**feeds, self.name: np.where(visible, 0.0, self.value).astype(np.float32)[None, None]}
+        return {**feeds, **{io.window_mask(w): contract_mask.additive(seq, past + seq, self.value, window=w)[None, None]
+                            for w in self.windows}}
 
 
-def implicit_mask(graph: gs.Graph, ctx: Context) -> ImplicitMask | None:
+def implicit_mask(graph: gs.Graph, ctx: Context, span: int | None = None) -> ImplicitMask | None:
     """An export with no mask input whose attention adds a mask computed from shapes alone (e.g.
     transformers' generation export: Range/LessOrEqual/Not/Cast/Mul, the row guard from
     Less(ReduceSum)): that mask becomes the standard additive input; None when there is none."""
     if _mask_input(graph) is not None or any(t.name == NAME for t in graph.inputs):
         return None
     rule = FromShapes()
+    rule.span = span
     apply(rule, graph, ctx, PassResult())
-    if rule.new is None:
+    if not rule.new:
         return None
-    return ImplicitMask(NAME, contract_mask.value_of(ctx.options))
+    return ImplicitMask(NAME, contract_mask.value_of(ctx.options), tuple(rule.new))
 
 
 def _site(softmax: gs.Node, derived: set[int], mask: str):

@@ -4,6 +4,9 @@ A compiled graph takes `attention_mask` float [1,1,T,C+T]: 0 where query row i m
 column j, `value` where it may not, added to the attention scores before Softmax. Key columns
 are the C cache slots, then the T new tokens (bottom-right aligned, so query i is the token at
 column C+i). Row i sees column j iff j <= C+i (causal) and the key holds a real token (`keys`).
+Sliding-window layers (Mistral, Gemma 2/3 local layers) take `attention_mask_window_<W>`: the
+same, and the key is one of the last W positions (query position - key position < W; positions
+count the real tokens: cache slots hold them in order, whatever the layout's gaps).
 
 Default value: softmax weight of a masked key is exp(score + value - max); the value must
 outweigh every score difference a model produces, or masked (empty or padded) keys leak in and
@@ -28,23 +31,38 @@ def value_of(options) -> float:
 
 
 def additive(seq: int, total: int, value: float = DEFAULT_VALUE, keys=None, dtype=np.float32,
-             offset: int | None = None) -> np.ndarray:
+             offset: int | None = None, window: int | None = None) -> np.ndarray:
     """[seq, total] additive causal mask: row i sees column j iff j <= offset+i and `keys[j]`
-    (bool [total], default all real); offset: the columns before row 0's token (default total-seq)."""
+    (bool [total], default all real); offset: the columns before row 0's token (default total-seq);
+    `window`: and offset+i - j < window (columns are consecutive positions)."""
+    return np.where(_allowed(seq, total, keys, offset, window), 0.0, value).astype(dtype)
+
+
+def _allowed(seq: int, total: int, keys=None, offset: int | None = None, window: int | None = None) -> np.ndarray:
     offset = total - seq if offset is None else offset
-    allowed = np.arange(total)[None, :] <= offset + np.arange(seq)[:, None]
+    distance = offset + np.arange(seq)[:, None] - np.arange(total)[None, :]
+    allowed = distance >= 0
+    if window is not None:
+        allowed &= distance < window
     if keys is not None:
         allowed &= np.asarray(keys, bool).reshape(total)[None, :]
-    return np.where(allowed, 0.0, value).astype(dtype)
+    return allowed
 
 
 def attention_mask(seq: int, cache: int, value: float = DEFAULT_VALUE, cached=None, new=None,
-                   dtype=np.float32) -> np.ndarray:
+                   dtype=np.float32, window: int | None = None) -> np.ndarray:
     """The graph input [1,1,T,C+T]: `cached` bool [C] says which cache slots hold a token (default
-    none), `new` bool [T] which of the T new rows are real (default all; padding after them)."""
+    none), `new` bool [T] which of the T new rows are real (default all; padding after them);
+    `window`: a sliding-window layer's mask (the cached tokens are positions 0.. in slot order)."""
     slots = np.zeros(cache, bool) if cached is None else np.asarray(cached, bool)
     rows = np.ones(seq, bool) if new is None else np.asarray(new, bool)
-    return additive(seq, cache + seq, value, np.concatenate([slots, rows]), dtype)[None, None]
+    keys = np.concatenate([slots, rows])
+    allowed = _allowed(seq, cache + seq, keys)
+    if window is not None:
+        filled = int(slots.sum())
+        where = np.concatenate([np.cumsum(slots) - 1, filled + np.arange(seq)])  # each column's position
+        allowed &= (filled + np.arange(seq))[:, None] - where[None, :] < window
+    return np.where(allowed, 0.0, value).astype(dtype)[None, None]
 
 
 def with_empty_cache(mask: np.ndarray, cache: int, value: float = DEFAULT_VALUE) -> np.ndarray:

@@ -211,9 +211,9 @@ def build_feeds(original_inputs, compiled_inputs: list[dict], vocab: int, seed: 
     for spec in compiled_inputs:
         name, dtype, shape = spec["name"], _manifest_dtype(spec["dtype"]), spec["shape"]
         source = source_of.get(name)
-        if name == "attention_mask" and len(shape) == 4:
-            compiled[name] = contract_mask.additive(shape[2], shape[3], host.mask_value,
-                                                    np.arange(shape[3]) >= cache - past, dtype)[None, None]
+        if io.is_mask(name) and len(shape) == 4:
+            compiled[name] = contract_mask.additive(shape[2], shape[3], host.mask_value, np.arange(shape[3]) >= cache - past,
+                                                    dtype, window=io.mask_window(name))[None, None]
         elif name in original and _fits(original[name].shape, shape):
             compiled[name] = original[name].astype(dtype)
         elif name == "position_ids":

@@ -237,8 +237,8 @@ class Generator:
                     value = self.cache[name]
                 elif name == io.HIDDEN_STATES:
                     value = self.embedding[ids[0]][None]
-                elif name == io.ATTENTION_MASK:
-                    value = self._mask(shape, k, t)
+                elif io.is_mask(name):
+                    value = self._mask(shape, k, t, io.mask_window(name))
                 elif name == io.POS_EMB:
                     value = positions.rope_rows(self.rope, rows)
                 elif name in feeds:
@@ -258,10 +258,10 @@ class Generator:
         self.filled += k
         return logits[0, :k]
 
-    def _mask(self, shape: list[int], k: int, t: int) -> np.ndarray:
+    def _mask(self, shape: list[int], k: int, t: int, window: int | None = None) -> np.ndarray:
         if len(shape) == 2:  # the export's own int mask [1, C+T]: 1 = attend
             return np.concatenate([self.valid, np.arange(t) < k])[None]
-        return mask.attention_mask(t, self.cache_len, self.mask_value, self.valid, np.arange(t) < k)
+        return mask.attention_mask(t, self.cache_len, self.mask_value, self.valid, np.arange(t) < k, window=window)
 
     def _update(self, result: dict[str, np.ndarray], k: int) -> None:
         for name, value in result.items():

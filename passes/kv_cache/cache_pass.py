@@ -53,8 +53,8 @@ class KvCache(Pass):
             layers = insert_cache(graph, ctx.root)
             notes.append(f"no cache I/O in the export: inserted past concat in {len(layers)} attention layers")
             self.inserted = {l.past[k].name: [l.past[k].shape[1], l.past[k].shape[3]] for l in layers for k in KINDS}
-            for t in graph.inputs:  # mask-early's [1,1,T,T]: the cache slots come first
-                if t.name == io.ATTENTION_MASK:
+            for t in graph.inputs:  # mask-early's [1,1,T,T] (per window): the cache slots come first
+                if io.is_mask(t.name):
                     t.shape = additive_shape(graph, ctx)
         self.renames = _name_io(graph, layers)
         rewrites = len(self.renames) + (self.implicit is not None) if not self.inserted else len(layers)
@@ -70,8 +70,8 @@ class KvCache(Pass):
             return feeds
         ids = next(v for k, v in feeds.items() if k in ("input_ids", "hidden_states"))
         t, c = ids.shape[1], ctx.options.cache_len or DEFAULT_CACHE_LEN
-        if io.ATTENTION_MASK in feeds:
-            feeds[io.ATTENTION_MASK] = contract_mask.with_empty_cache(feeds[io.ATTENTION_MASK], c, contract_mask.value_of(ctx.options))
+        for name in [k for k in feeds if io.is_mask(k)]:
+            feeds[name] = contract_mask.with_empty_cache(feeds[name], c, contract_mask.value_of(ctx.options))
         feeds["position_ids"] = np.arange(t, dtype=np.int64)[None]
         for name, (hkv, d) in self.inserted.items():
             feeds[name] = np.zeros((1, hkv, c, d), np.float32)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import onnx_graphsurgeon as gs
 
 from mtkc.contract import io as contract_io
+from mtkc.display import escape
 from mtkc.errors import InputError
 
 KINDS = contract_io.KINDS
@@ -39,7 +40,7 @@ class LayerCache:
     concat: dict[str, gs.Node]  # kind -> Concat(past, new, axis=2)
 
 
-def cache_concat(past: gs.Tensor) -> gs.Node | None:
+def cache_concat(past: gs.Tensor, copies: tuple[str, ...] = _COPIES) -> gs.Node | None:
     """The `Concat(past, new, axis=2)` a cache input feeds, through Identity / 1-input Concat copies."""
     tensor = past
     for _ in range(8):
@@ -48,7 +49,7 @@ def cache_concat(past: gs.Tensor) -> gs.Node | None:
             if node.op == "Concat" and len(node.inputs) == 2 and node.inputs[0] is tensor:
                 if node.attrs.get("axis") in (2, -2):
                     return node
-            elif node.op in _COPIES or (node.op == "Concat" and len(node.inputs) == 1):
+            elif node.op in copies or (node.op == "Concat" and len(node.inputs) == 1):
                 nxt = node.outputs[0]
         if nxt is None:
             return None
@@ -112,7 +113,7 @@ def _softmax_below(tensor: gs.Tensor, depth: int = 10) -> gs.Node | None:
             for node in t.outputs:
                 if node.op == "Softmax":
                     return node
-                if node.op in {"Add", "Where", "Mul", "Div", "Cast", "Sub", *_QDQ}:
+                if node.op in {"Add", "Where", "Mul", "Div", "Cast", "Sub", "Tanh", *_QDQ}:  # Tanh: soft-capping
                     nxt += node.outputs
         frontier = nxt
     return None
@@ -120,6 +121,7 @@ def _softmax_below(tensor: gs.Tensor, depth: int = 10) -> gs.Node | None:
 
 def find_caches(graph: gs.Graph) -> list[LayerCache]:
     """Every layer's cache I/O found by structure (see the module docstring); [] when there is none."""
+    outputs = {id(t) for t in graph.outputs}
     order = {id(n): i for i, n in enumerate(graph.nodes)}
     found: dict[int, dict[str, tuple[gs.Variable, gs.Node]]] = {}
     for tensor in graph.inputs:
@@ -127,6 +129,7 @@ def find_caches(graph: gs.Graph) -> list[LayerCache]:
             continue
         concat = cache_concat(tensor)
         if concat is None or cache_output(concat, graph.outputs) is None:
+            _refuse_cropped(tensor, outputs)
             continue
         use = _attention_use(concat.outputs[0])
         if use is None:
@@ -147,6 +150,21 @@ def find_caches(graph: gs.Graph) -> list[LayerCache]:
             raise InputError(f"cache input '{have}' has no matching past {missing[0]} input")
         layers.append(LayerCache(i, {k: slot[k][0] for k in KINDS}, {k: slot[k][1] for k in KINDS}))
     return layers
+
+
+def _refuse_cropped(past: gs.Tensor, outputs: set[int]) -> None:
+    """A present that is the concat's last entries only (`Slice(concat, -W+1:)` on the sequence axis,
+    the past sliced the same way: transformers' DynamicSlidingWindowLayer of sliding-window layers)
+    is a cache mtkc cannot make static as exported: refused with the layer's tensors named and the
+    way that works."""
+    concat = cache_concat(past, _COPIES + ("Slice",))
+    for node in concat.outputs[0].outputs if concat is not None else []:
+        if node.op == "Slice" and node.outputs and id(node.outputs[0]) in outputs:
+            raise InputError(f"cache input '{escape(past.name)}': its present '{escape(node.outputs[0].name)}' keeps "
+                             f"only the last entries of Concat '{escape(concat.name)}' (a sliding-window layer's "
+                             "cropped cache, transformers' DynamicSlidingWindowLayer); mtkc keeps a static cache "
+                             "of --cache-len entries and masks the window: export without cache I/O and compile "
+                             "with --kv-cache")
 
 
 def layer_caches(graph: gs.Graph) -> list[LayerCache]:

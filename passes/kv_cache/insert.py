@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc.contract import io
 from mtkc.errors import InputError
 from mtkc.ir import shapes
 from mtkc.ir.constants import values as values_of
@@ -20,7 +21,7 @@ from mtkc.passes.kv_cache.detect import ATTENTION_OPS, KINDS, LayerCache
 
 PROBE_SEQ = 97  # a sequence length no model dimension is likely to equal
 _LAYOUT = {"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Identity", "Cast", "Tile"}
-_SCORE_PATH = {"Add", "Where", "Mul", "Div", "Cast", "Sub"}
+_SCORE_PATH = {"Add", "Where", "Mul", "Div", "Cast", "Sub", "Tanh"}  # Tanh: Gemma 2's soft-capping
 _PROB_PATH = {"Cast", "Where", "IsNaN", "Identity"}
 
 
@@ -93,7 +94,7 @@ def probe_shapes(graph: gs.Graph, root=None, keep: set[int] = frozenset()) -> di
     for t in probe.inputs:
         t.shape = [d if isinstance(d, int) or (t.name in kept and axis not in (0, 2))
                    else (1 if axis == 0 else PROBE_SEQ) for axis, d in enumerate(t.shape or [])]
-        if t.name == "attention_mask" and len(t.shape) == 4:  # additive, no past yet: [1, 1, S, S]
+        if io.is_mask(t.name) and len(t.shape) == 4:  # additive, no past yet: [1, 1, S, S]
             t.shape = [1, 1, PROBE_SEQ, PROBE_SEQ]
     shapes.infer(probe, root)
     return {name: t.shape for name, t in probe.tensors().items()}

@@ -21,7 +21,7 @@ import onnx_graphsurgeon as gs
 
 from mtkc.contract import io
 from mtkc.passes.kv_cache.detect import find_caches
-from mtkc.passes.kv_cache.plan import kv_on
+from mtkc.passes.kv_cache.plan import DEFAULT_CACHE_LEN, DEFAULT_SEQ_LEN, kv_on
 from mtkc.passes.mask import Mask, implicit_mask
 from mtkc.rewrite.pass_api import Context, PassResult, register
 
@@ -41,8 +41,9 @@ class MaskEarly(Mask):
         if find_caches(graph):
             return PassResult(notes=["the export has cache I/O: the mask pass runs in its place"])
         early = replace(ctx, options=replace(ctx.options, kv_cache=False, cache_len=None))  # no cache yet: [T, T]
+        self.span = (ctx.options.seq_len or DEFAULT_SEQ_LEN) + (ctx.options.cache_len or DEFAULT_CACHE_LEN)  # windows
         result = super().run(graph, early)
-        self.implicit = implicit_mask(graph, early)
+        self.implicit = implicit_mask(graph, early, self.span)
         if self.implicit is not None:
             result.rewrites += 1
             result.notes.append(f"no mask input: the mask built from shapes alone became input '{self.implicit.name}'")
