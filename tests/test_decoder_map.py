@@ -16,7 +16,14 @@ import pytest
 
 from mtkc.analysis.decoder import decoder_map
 from mtkc.ir.model import load
+from mtkc.manager.pass_manager import load_registry, resolve_pipeline, run_pipeline
+from mtkc.options import of
+from mtkc.passes.kv_cache.chunks import map_layers
 from mtkc.passes.kv_cache.detect import find_caches
+from mtkc.passes.kv_cache.plan import chunk_ranges, variants
+from mtkc.pipeline import quantsim
+from mtkc.rewrite.pass_api import Context
+from mtkc.target.capability import load_table
 
 QWEN = ["legacy14", "legacy17", "dynamo", "hf", "hf-ortfused", "dynamo-ortfused", "ortopt", "hf-generate",
         "dynamo-cacheobj", "genai-fp32", "genai-int4", "genai-int4-acc1"]
@@ -66,3 +73,21 @@ def test_an_unrecognised_layer_is_refused_with_its_reason(exported, run_cli, tmp
         "(expected MatMul(Q, Kᵀ) through scale, soft-cap, mask)"
     code, out, err = run_cli("check", path, "--sdk", "8.0", "--seq-len", "8")
     assert code == 0 and "decoder     1 layers (1×attention+SwiGLU); cache none; 1 refused (" in out, out + err
+
+
+def test_one_layer_numbering_before_and_after_the_pipeline(exported):
+    """Layer i is the same layer for the map, the kv-cache detector (`past_key_i`), `--chunks`
+    (plan/chunks read the map) and quantsim's node names (`layers.<i>/`, legacy exports)."""
+    model = load(exported("qwen2", "legacy17", True))
+    raw = decoder_map(model.graph)
+    assert [quantsim.layer_of(onnx.helper.make_node("Softmax", [], [], name=x.anchor)) for x in raw.layers] == [0, 1]
+    assert [x.past for x in raw.layers] == [{k: t.name for k, t in c.past.items()} for c in find_caches(model.graph)]
+    graph = gs.import_onnx(gs.export_onnx(model.graph, do_type_check=False))
+    ctx = Context(load_table("8.0"), dict(seq_len=8, cache_len=16, kv_cache=True, variant="prefill"),
+                  model.root, model.values)
+    run_pipeline(graph, resolve_pipeline(load_registry(), ctx, None, ["layer-chunks"]), ctx)
+    compiled = ctx.analysis(decoder_map, graph)
+    assert [x.anchor for x in compiled.refused] == [] and \
+        [(c.index, c.past["key"].name) for c in map_layers(compiled, graph)] == [(0, "past_key_0"), (1, "past_key_1")]
+    assert [len(r) for r in chunk_ranges(len(compiled.layers), 2)] == [1, 1]
+    assert [v.name for v in variants(model.graph, of({"chunks": 2}))] == ["prefill_0", "prefill_1", "decode_0", "decode_1"]

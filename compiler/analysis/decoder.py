@@ -246,7 +246,7 @@ def _projection(t: gs.Tensor, inputs: set[int], layer: Layer, kind: str | None =
                                                 and all((_producer(i) or gs.Node("")).op == "Mul" for i in node.inputs)):
                 rope = rope or node.name
             if kind and node.op == "Concat" and len(node.inputs) == 2 and node.attrs.get("axis") in (2, -2):
-                layer.cache.setdefault(kind, node.name)
+                layer.cache.setdefault(kind, _remember(layer, node))
             data = node.inputs if node.op in _ALL_INPUTS else node.inputs[:1]
             following += [i for i in data if constant_of(i) is None]
         frontier = following
