@@ -51,6 +51,9 @@ def test_every_exporter_maps_two_layers(exported, family, exporter, cache):
     if cache and attention == "softmax":  # one layer numbering: the kv-cache detector's
         assert [x.past for x in dm.layers] == \
             [{k: t.name for k, t in layer.past.items()} for layer in find_caches(graph)]
+        names = dm.contract_names(graph)  # verify's pairing of the export's I/O with the compiled graph's
+        assert set(names.values()) - {"logits"} == \
+            {f"{io}_{k}_{i}" for io in ("past", "present") for k in ("key", "value") for i in range(2)}
     json.dumps(dm.to_json())
 
 

@@ -109,9 +109,23 @@ class DecoderMap:
         return text + (f"; {len(self.refused)} refused ({self.refused[0].anchor}: {self.refused[0].refused})"
                        if self.refused else "")
 
-    def layer_of_past(self, name: str) -> int | None:
-        """The layer whose cache reads graph input `name`."""
-        return next((x.index for x in self.layers if name in x.past.values()), None)
+    def contract_names(self, graph: gs.Graph) -> dict[str, str]:
+        """{export's name: contract name} of the cache inputs, presents and logits, for the layers whose
+        cache is `Concat(past, new, axis 2)` into a graph output (what `kv-cache` names; verify pairs
+        an export's own I/O with the compiled graph's by it)."""
+        outputs, names = {t.name for t in graph.outputs}, {}
+        for layer in self.layers:
+            concats = {k: layer.nodes.get(layer.cache.get(k)) for k in ("key", "value")}
+            if not all(c is not None and c.op == "Concat" and c.outputs[0].name in outputs for c in concats.values()) \
+                    or set(layer.past) != {"key", "value"}:
+                continue
+            for kind, concat in concats.items():
+                names[layer.past[kind]] = f"past_{kind}_{layer.index}"
+                names[concat.outputs[0].name] = f"present_{kind}_{layer.index}"
+        rest = [o.name for o in graph.outputs if o.name not in names]
+        if names and rest and "logits" not in rest:
+            names[rest[0]] = "logits"
+        return names
 
 
 class Refused(Exception):

@@ -143,21 +143,6 @@ def _name_io(graph: gs.Graph, layers: list[LayerCache]) -> dict[str, str]:
     return renames
 
 
-def export_names(graph: gs.Graph) -> dict[str, str]:
-    """{export's name: contract name} for the cache inputs, presents and logits `kv-cache` would name
-    (what verify needs to pair an export's own I/O with the compiled graph's); the graph is not changed."""
-    names = {}
-    layers = find_caches(graph)
-    for layer in layers:
-        for kind in KINDS:
-            names[layer.past[kind].name] = f"past_{kind}_{layer.index}"
-            names[layer.concat[kind].outputs[0].name] = f"present_{kind}_{layer.index}"
-    rest = [o.name for o in graph.outputs if o.name not in names]
-    if layers and rest and "logits" not in rest:
-        names[rest[0]] = "logits"
-    return names
-
-
 def _require_mask_early(graph: gs.Graph) -> None:
     """The [B,1,T,T] mask construction breaks once the cache is spliced in: `mask-early` must have
     replaced it (it leaves no 2-D `attention_mask` input)."""
