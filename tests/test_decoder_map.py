@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 import pytest
@@ -94,3 +95,22 @@ def test_one_layer_numbering_before_and_after_the_pipeline(exported):
         [(c.index, c.past["key"].name) for c in map_layers(compiled, graph)] == [(0, "past_key_0"), (1, "past_key_1")]
     assert [len(r) for r in chunk_ranges(len(compiled.layers), 2)] == [1, 1]
     assert [v.name for v in variants(model.graph, of({"chunks": 2}))] == ["prefill_0", "prefill_1", "decode_0", "decode_1"]
+
+
+def test_attention_soft_capping_is_part_of_the_layer(exported):
+    """Gemma 2's scores soft-cap, cap * tanh(scores / cap), between the scores and the mask."""
+    graph = gs.import_onnx(onnx.load(str(exported("qwen2", "legacy17", False)), load_external_data=False))
+    tanhs = []
+    for layer in decoder_map(graph).layers:
+        scores = layer.nodes[layer.scores].outputs[0]
+        users = list(scores.outputs)
+        cap = gs.Constant(f"{layer.scores}/cap", np.array(50.0, np.float32))
+        x, y, z = (gs.Variable(f"{layer.scores}/{n}", np.float32) for n in ("div", "tanh", "capped"))
+        tanhs.append(gs.Node("Tanh", f"{layer.scores}/Tanh", inputs=[x], outputs=[y]))
+        graph.nodes += [gs.Node("Div", inputs=[scores, cap], outputs=[x]), tanhs[-1],
+                        gs.Node("Mul", inputs=[y, cap], outputs=[z])]
+        for user in users:
+            user.inputs = [z if t is scores else t for t in user.inputs]
+    dm = decoder_map(graph.toposort())
+    assert [x.softcap for x in dm.layers] == [n.name for n in tanhs] and not dm.refused
+    assert all(x.mask and x.scores and x.scale is None for x in dm.layers)  # cap * tanh(s / cap) is no scale

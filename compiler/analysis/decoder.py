@@ -181,7 +181,8 @@ def _softmax(layer: Layer, softmax: gs.Node, inputs: set[int]) -> None:
             layer.softcap = node.name
         elif node.op in ("Add", "Where") and len(variable) >= 2:
             layer.mask = layer.mask or node.name
-        elif node.op in ("Mul", "Div") and len(variable) == 1 and layer.scale is None and layer.softcap is None:
+        elif node.op in ("Mul", "Div") and len(variable) == 1 and layer.scale is None and layer.softcap is None \
+                and (_producer(variable[0]) or node).op != "Tanh":  # (cap * tanh(·): the soft-cap's)
             layer.scale = node.name
         t = node.inputs[1] if node.op == "Where" else next((x for x in node.inputs if _producer(x) is not None
                                                              and _from_matmul(x)), node.inputs[0])
