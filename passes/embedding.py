@@ -108,6 +108,12 @@ class Embedding(RulePass):
         self.lookups: list[tuple[str, gs.Constant, str]] = []  # (ids input name, table, new input name)
         self.rules = (Lookup(self),)
 
+    def run(self, graph, ctx):
+        result = super().run(graph, ctx)
+        if self.lookups:  # host-input mode: the host looks the tokens up in W_embed [V, H]
+            result.host["embedding"] = self.lookups[0][1]
+        return result
+
     def map_feeds(self, feeds: dict, ctx: Context) -> dict:
         """hidden_states = W_embed[input_ids]."""
         if not self.lookups:

@@ -86,6 +86,8 @@ class Rope(RulePass):
         result = super().run(graph, ctx)
         if self.position_input:
             graph.inputs = [t for t in graph.inputs if t.name != self.position_input or t.outputs]
+        if "cos" in self.tables and "sin" in self.tables:  # pos_emb mode: the host indexes [2, max_pos, D]
+            result.host["rope"] = np.stack([self.tables["cos"], self.tables["sin"]]).astype(np.float32)
         return result
 
     def map_feeds(self, feeds: dict, ctx: Context) -> dict:

@@ -10,13 +10,21 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 import pytest
 
 from mtkc.analysis.decoder import decoder_map
 from mtkc.ir.model import load
+from mtkc.manager.pass_manager import load_registry, resolve_pipeline, run_pipeline
+from mtkc.options import of
+from mtkc.passes.kv_cache.chunks import map_layers
 from mtkc.passes.kv_cache.detect import find_caches
+from mtkc.passes.kv_cache.plan import chunk_ranges, variants
+from mtkc.pipeline import quantsim
+from mtkc.rewrite.pass_api import Context
+from mtkc.target.capability import load_table
 
 QWEN = ["legacy14", "legacy17", "dynamo", "hf", "hf-ortfused", "dynamo-ortfused", "ortopt", "hf-generate",
         "dynamo-cacheobj", "genai-fp32", "genai-int4", "genai-int4-acc1"]
@@ -44,6 +52,9 @@ def test_every_exporter_maps_two_layers(exported, family, exporter, cache):
     if cache and attention == "softmax":  # one layer numbering: the kv-cache detector's
         assert [x.past for x in dm.layers] == \
             [{k: t.name for k, t in layer.past.items()} for layer in find_caches(graph)]
+        names = dm.contract_names(graph)  # verify's pairing of the export's I/O with the compiled graph's
+        assert set(names.values()) - {"logits"} == \
+            {f"{io}_{k}_{i}" for io in ("past", "present") for k in ("key", "value") for i in range(2)}
     json.dumps(dm.to_json())
 
 
@@ -66,3 +77,40 @@ def test_an_unrecognised_layer_is_refused_with_its_reason(exported, run_cli, tmp
         "(expected MatMul(Q, Kᵀ) through scale, soft-cap, mask)"
     code, out, err = run_cli("check", path, "--sdk", "8.0", "--seq-len", "8")
     assert code == 0 and "decoder     1 layers (1×attention+SwiGLU); cache none; 1 refused (" in out, out + err
+
+
+def test_one_layer_numbering_before_and_after_the_pipeline(exported):
+    """Layer i is the same layer for the map, the kv-cache detector (`past_key_i`), `--chunks`
+    (plan/chunks read the map) and quantsim's node names (`layers.<i>/`, legacy exports)."""
+    model = load(exported("qwen2", "legacy17", True))
+    raw = decoder_map(model.graph)
+    assert [quantsim.layer_of(onnx.helper.make_node("Softmax", [], [], name=x.anchor)) for x in raw.layers] == [0, 1]
+    assert [x.past for x in raw.layers] == [{k: t.name for k, t in c.past.items()} for c in find_caches(model.graph)]
+    graph = gs.import_onnx(gs.export_onnx(model.graph, do_type_check=False))
+    ctx = Context(load_table("8.0"), dict(seq_len=8, cache_len=16, kv_cache=True, variant="prefill"),
+                  model.root, model.values)
+    run_pipeline(graph, resolve_pipeline(load_registry(), ctx, None, ["layer-chunks"]), ctx)
+    compiled = ctx.analysis(decoder_map, graph)
+    assert [x.anchor for x in compiled.refused] == [] and \
+        [(c.index, c.past["key"].name) for c in map_layers(compiled, graph)] == [(0, "past_key_0"), (1, "past_key_1")]
+    assert [len(r) for r in chunk_ranges(len(compiled.layers), 2)] == [1, 1]
+    assert [v.name for v in variants(model.graph, of({"chunks": 2}))] == ["prefill_0", "prefill_1", "decode_0", "decode_1"]
+
+
+def test_attention_soft_capping_is_part_of_the_layer(exported):
+    """Gemma 2's scores soft-cap, cap * tanh(scores / cap), between the scores and the mask."""
+    graph = gs.import_onnx(onnx.load(str(exported("qwen2", "legacy17", False)), load_external_data=False))
+    tanhs = []
+    for layer in decoder_map(graph).layers:
+        scores = layer.nodes[layer.scores].outputs[0]
+        users = list(scores.outputs)
+        cap = gs.Constant(f"{layer.scores}/cap", np.array(50.0, np.float32))
+        x, y, z = (gs.Variable(f"{layer.scores}/{n}", np.float32) for n in ("div", "tanh", "capped"))
+        tanhs.append(gs.Node("Tanh", f"{layer.scores}/Tanh", inputs=[x], outputs=[y]))
+        graph.nodes += [gs.Node("Div", inputs=[scores, cap], outputs=[x]), tanhs[-1],
+                        gs.Node("Mul", inputs=[y, cap], outputs=[z])]
+        for user in users:
+            user.inputs = [z if t is scores else t for t in user.inputs]
+    dm = decoder_map(graph.toposort())
+    assert [x.softcap for x in dm.layers] == [n.name for n in tanhs] and not dm.refused
+    assert all(x.mask and x.scores and x.scale is None for x in dm.layers)  # cap * tanh(s / cap) is no scale

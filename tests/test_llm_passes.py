@@ -352,3 +352,15 @@ def test_mask_refuses_untouched_when_the_2d_mask_stays_needed():
     assert [(m.node, m.reason) for m in result.misses] == \
         [("cast", "'attention_mask' would still be read by 1 node(s) (bind shapes and fold first)")]
     assert [(t.name, t.dtype) for t in graph.inputs] == [("scores", np.float32), ("attention_mask", np.int64)]
+
+
+def test_host_tables_travel_in_the_pass_result(exported):
+    """embedding (host-input) and rope (pos_emb) return their tables in PassResult.host."""
+    model = load(exported("qwen2", "legacy17", False))
+    graph, ctx, pipeline, records = _compile(model, "8.0", False, rope_mode="pos_emb")
+    table = records["embedding"].host["embedding"]
+    assert isinstance(table, gs.Constant) and len(table.shape) == 2
+    rope = records["rope"].host["rope"]
+    assert rope.dtype == np.float32 and rope.shape[0] == 2 and rope.shape[1] >= T
+    assert {n: r.host for n, r in records.items() if r.host}.keys() == {"embedding", "rope"}
+    assert {t.name for t in graph.inputs} >= {"hidden_states", "pos_emb"}

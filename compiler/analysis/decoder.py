@@ -109,9 +109,36 @@ class DecoderMap:
         return text + (f"; {len(self.refused)} refused ({self.refused[0].anchor}: {self.refused[0].refused})"
                        if self.refused else "")
 
-    def layer_of_past(self, name: str) -> int | None:
-        """The layer whose cache reads graph input `name`."""
-        return next((x.index for x in self.layers if name in x.past.values()), None)
+    def contract_names(self, graph: gs.Graph) -> dict[str, str]:
+        """{export's name: contract name} of the cache inputs, presents and logits, for the layers whose
+        cache is `Concat(past, new, axis 2)` into a graph output (what `kv-cache` names; verify pairs
+        an export's own I/O with the compiled graph's by it)."""
+        outputs, names = {t.name for t in graph.outputs}, {}
+        for layer in self.layers:
+            concats = {k: layer.nodes.get(layer.cache.get(k)) for k in ("key", "value")}
+            presents = {k: _present(c, outputs) for k, c in concats.items() if c is not None and c.op == "Concat"}
+            if len(presents) != 2 or None in presents.values() or set(layer.past) != {"key", "value"}:
+                continue
+            for kind, present in presents.items():
+                names[layer.past[kind]] = f"past_{kind}_{layer.index}"
+                names[present] = f"present_{kind}_{layer.index}"
+        rest = [o.name for o in graph.outputs if o.name not in names]
+        if names and rest and "logits" not in rest:
+            names[rest[0]] = "logits"
+        return names
+
+
+def _present(concat: gs.Node, outputs: set[str]) -> str | None:
+    """The graph output a cache Concat's result is: itself, or its QuantizeLinear -> DequantizeLinear."""
+    tensor = concat.outputs[0]
+    for _ in range(3):
+        if tensor.name in outputs:
+            return tensor.name
+        nxt = [n for n in tensor.outputs if n.op in ("QuantizeLinear", "DequantizeLinear")]
+        if not nxt:
+            return None
+        tensor = nxt[0].outputs[0]
+    return None
 
 
 class Refused(Exception):
@@ -167,7 +194,8 @@ def _softmax(layer: Layer, softmax: gs.Node, inputs: set[int]) -> None:
             layer.softcap = node.name
         elif node.op in ("Add", "Where") and len(variable) >= 2:
             layer.mask = layer.mask or node.name
-        elif node.op in ("Mul", "Div") and len(variable) == 1 and layer.scale is None and layer.softcap is None:
+        elif node.op in ("Mul", "Div") and len(variable) == 1 and layer.scale is None and layer.softcap is None \
+                and (_producer(variable[0]) or node).op != "Tanh":  # (cap * tanh(·): the soft-cap's)
             layer.scale = node.name
         t = node.inputs[1] if node.op == "Where" else next((x for x in node.inputs if _producer(x) is not None
                                                              and _from_matmul(x)), node.inputs[0])
@@ -246,7 +274,7 @@ def _projection(t: gs.Tensor, inputs: set[int], layer: Layer, kind: str | None =
                                                 and all((_producer(i) or gs.Node("")).op == "Mul" for i in node.inputs)):
                 rope = rope or node.name
             if kind and node.op == "Concat" and len(node.inputs) == 2 and node.attrs.get("axis") in (2, -2):
-                layer.cache.setdefault(kind, node.name)
+                layer.cache.setdefault(kind, _remember(layer, node))
             data = node.inputs if node.op in _ALL_INPUTS else node.inputs[:1]
             following += [i for i in data if constant_of(i) is None]
         frontier = following

@@ -253,6 +253,7 @@ class PassRecord:
     misses: list[Miss] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     graph: str = "model"  # the variant it ran on (prefill/decode/...)
+    host: dict = field(default_factory=dict)  # PassResult.host: tables the host supplies
 
     def stats(self) -> dict:
         return {
@@ -303,7 +304,7 @@ def run_pipeline(
         contract = invariants.check_io(graph, p, contract)  # undeclared I/O change -> PassError
         record = PassRecord(
             p.name, p.origin, result.rewrites, nodes_before, len(graph.nodes),
-            time.perf_counter() - start, list(result.misses), list(result.notes),
+            time.perf_counter() - start, list(result.misses), list(result.notes), host=dict(result.host),
         )
         records.append(record)
         log.debug(

@@ -81,7 +81,7 @@ def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.Pat
         log.info("mtkc: %s", note)  # inputs the binding removed or options it ignored
     tables: dict = {}
     for v in variants:
-        for key, value in host_tables(v.compiled.pipeline.passes, v.compiled.model.values).items():
+        for key, value in host_tables(v.compiled.records, v.compiled.model.values).items():
             tables.setdefault(key, value)
     by_graph = {v.name: v.compiled.coverage for v in variants}
     known = [c for c in by_graph.values() if c is not None]

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc.analysis.decoder import decoder_map
 from mtkc.backend.manifest import sha256
 from mtkc.contract import exporters, io
 from mtkc.contract import mask as contract_mask
@@ -44,7 +45,6 @@ from mtkc.errors import InputError
 from mtkc.ir.compare import compare
 from mtkc.ir.model import read_proto
 from mtkc.ir.outdir import read_manifest
-from mtkc.passes.kv_cache import export_names
 from mtkc.pipeline.oracle import (LAST, NEW_TOKENS, Generation, Original, OriginalRun, compare_generation,
                                   picks_positions, prompts)
 from mtkc.runtime.generate import Generator, host_table
@@ -446,10 +446,8 @@ def format_text(result: Result, every_output: bool = False) -> str:
 
 def _export_names(proto) -> dict[str, str]:
     """{export name: contract name} of the export's cache I/O and logits, found by structure."""
-    try:
-        return export_names(gs.import_onnx(proto))
-    except InputError:
-        return {}
+    graph = gs.import_onnx(proto)
+    return decoder_map(graph).contract_names(graph)
 
 
 _ROUNDED = {2: "fp16", 3: "bf16", 4: "int8"}  # MatMulNBits accuracy_level -> activations onnxruntime may use

@@ -27,6 +27,8 @@ A pass that changes the graph's I/O contract (a mask/RoPE/KV-cache normalisation
 inputs or outputs) overrides `map_feeds` / `map_outputs`, so `--verify-each` can feed the
 rewritten graph and compare it with the input model. Both are called on the same instance
 after its `run`, so `run` may record what it replaced on `self`.
+Tables the host must supply afterwards (an embedding moved out of the graph, RoPE rows) are
+returned in `PassResult.host`; nothing outside the pass reads its attributes.
 """
 
 from __future__ import annotations
@@ -63,9 +65,13 @@ class Miss:
 
 @dataclass
 class PassResult:
+    """What a pass did. `host`: tables it moved out of the graph for the host to supply
+    (name -> array, or the weight `gs.Constant` itself, read only when written)."""
+
     rewrites: int = 0
     misses: list[Miss] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    host: dict[str, Any] = field(default_factory=dict)
 
     @property
     def changed(self) -> bool:

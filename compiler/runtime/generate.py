@@ -288,18 +288,14 @@ def host_table(root: Path, manifest: dict, name: str) -> np.ndarray | None:
     return load_table(confined(root, entry["path"], f"host table '{name}'"))
 
 
-def host_tables(passes, read_values) -> dict[str, np.ndarray | Callable[[], np.ndarray]]:
-    """Tables the host needs after a pipeline run, from the pass instances that moved them out:
+def host_tables(records, read_values) -> dict[str, np.ndarray | Callable[[], np.ndarray]]:
+    """Tables the host needs after a pipeline run, as the passes returned them (`PassRecord.host`):
     `embedding` [V, H] (embedding pass, host-input mode) and `rope` [2, max_pos, D] (cos, sin;
-    rope pass, pos_emb mode). The embedding is a weight: a `WeightTable`, read only when written."""
+    rope pass, pos_emb mode). A weight becomes a `WeightTable`, read only when written."""
     tables = {}
-    for p in passes:
-        lookups = getattr(p, "lookups", None) if p.name == "embedding" else None
-        if lookups:
-            tables["embedding"] = WeightTable(lookups[0][1], read_values)
-        rope = getattr(p, "tables", None) if p.name == "rope" else None
-        if rope and "cos" in rope and "sin" in rope:
-            tables["rope"] = np.stack([rope["cos"], rope["sin"]]).astype(np.float32)
+    for record in records:
+        for name, table in record.host.items():
+            tables[name] = table if isinstance(table, np.ndarray) else WeightTable(table, read_values)
     return tables
 
 

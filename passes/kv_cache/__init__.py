@@ -16,7 +16,7 @@ computes its shapes with Shape ops, so an inserted past concat propagates), `kv-
     plan        the variants (prefill/decode per chunk) and the chunk ranges
 """
 
-from mtkc.passes.kv_cache.cache_pass import KvCache, cache_head_dims, export_names
+from mtkc.passes.kv_cache.cache_pass import KvCache, cache_head_dims
 from mtkc.passes.kv_cache.chunks import LayerChunks, layer_boundaries
 from mtkc.passes.kv_cache.detect import KINDS, LayerCache, cache_concat, find_caches, layer_caches
 from mtkc.passes.kv_cache.insert import insert_cache
@@ -26,4 +26,4 @@ from mtkc.passes.kv_cache.plan import CACHE_IO, DEFAULT_CACHE_LEN, DEFAULT_SEQ_L
 
 __all__ = ["CACHE_IO", "DEFAULT_CACHE_LEN", "DEFAULT_SEQ_LEN", "KINDS", "NEW_TOKEN_MASK", "KvCache", "KvCacheIo",
            "LayerCache", "LayerChunks", "MaskEarly", "Variant", "cache_concat", "cache_head_dims", "chunk_ranges", "contract_order",
-           "export_names", "find_caches", "insert_cache", "layer_boundaries", "layer_caches", "variants"]
+           "find_caches", "insert_cache", "layer_boundaries", "layer_caches", "variants"]

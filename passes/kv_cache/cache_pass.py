@@ -22,7 +22,7 @@ from mtkc.contract import io
 from mtkc.contract import mask as contract_mask
 from mtkc.errors import InputError
 from mtkc.passes.gqa import cache_inputs
-from mtkc.passes.kv_cache.detect import KINDS, LayerCache, cache_output, find_caches
+from mtkc.passes.kv_cache.detect import KINDS, LayerCache, find_caches
 from mtkc.passes.kv_cache.insert import insert_cache, probe_shapes
 from mtkc.passes.kv_cache.plan import DEFAULT_CACHE_LEN, kv_on
 from mtkc.passes.mask import additive_shape, implicit_mask
@@ -141,21 +141,6 @@ def _name_io(graph: gs.Graph, layers: list[LayerCache]) -> dict[str, str]:
         rename(logits, "logits")
     graph.outputs = ([logits] if logits is not None else []) + presents
     return renames
-
-
-def export_names(graph: gs.Graph) -> dict[str, str]:
-    """{export's name: contract name} for the cache inputs, presents and logits `kv-cache` would name
-    (what verify needs to pair an export's own I/O with the compiled graph's); the graph is not changed."""
-    names = {}
-    layers = find_caches(graph)
-    for layer in layers:
-        for kind in KINDS:
-            names[layer.past[kind].name] = f"past_{kind}_{layer.index}"
-            names[cache_output(layer.concat[kind], graph.outputs).name] = f"present_{kind}_{layer.index}"
-    rest = [o.name for o in graph.outputs if o.name not in names]
-    if layers and rest and "logits" not in rest:
-        names[rest[0]] = "logits"
-    return names
 
 
 def _require_mask_early(graph: gs.Graph) -> None:

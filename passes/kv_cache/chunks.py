@@ -3,7 +3,8 @@
 The residual stream tensor entering the chunk's first layer becomes input `hidden_states`, the
 one leaving its last layer output `hidden_states_out` (embedding stays in chunk 0, final norm +
 lm_head in chunk N-1). Layer boundaries are the dominators of the logits (paths from the token
-input, ignoring Shape edges) that dominate layer i's cache concat.
+input, ignoring Shape edges) that dominate layer i's cache concat. Layer i is the DecoderMap's
+(`mtkc.analysis.decoder`), whose cache reads `past_<kind>_<i>`.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import networkx as nx
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc.analysis.decoder import DecoderMap, decoder_map
 from mtkc.errors import InputError
 from mtkc.ir.execute import run
-from mtkc.passes.kv_cache.detect import KINDS, LayerCache, layer_caches
+from mtkc.passes.kv_cache.detect import KINDS, LayerCache
 from mtkc.passes.kv_cache.io import contract_order
 from mtkc.passes.kv_cache.plan import chunk_ranges, kv_on
 from mtkc.rewrite.pass_api import Context, Pass, PassResult, register
@@ -31,7 +33,7 @@ class LayerChunks(Pass):
 
     def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
         n, k = ctx.options.chunks or 1, ctx.options.chunk or 0
-        layers = layer_caches(graph)
+        layers = map_layers(ctx.analysis(decoder_map, graph), graph)
         ranges = chunk_ranges(len(layers), n)
         if not 0 <= k < n:
             raise InputError(f"chunk {k} out of range for --chunks {n}")
@@ -77,6 +79,20 @@ class LayerChunks(Pass):
 
     def map_outputs(self, outputs, ctx):
         return {k: v for k, v in outputs.items() if k in self.kept}
+
+
+def map_layers(dm: DecoderMap, graph: gs.Graph) -> list[LayerCache]:
+    """The DecoderMap's layers with their cache I/O; layer i must read `past_<kind>_<i>` (one numbering)."""
+    inputs = {t.name: t for t in graph.inputs}
+    layers = []
+    for layer in dm.layers:
+        want = {kind: f"past_{kind}_{layer.index}" for kind in KINDS}
+        if layer.past != want or set(layer.cache) != set(KINDS):
+            raise InputError(f"decoder layer {layer.index} ({layer.anchor}) reads cache inputs {layer.past}, "
+                             f"expected {want}")
+        layers.append(LayerCache(layer.index, {k: inputs[want[k]] for k in KINDS},
+                                 {k: layer.nodes[layer.cache[k]] for k in KINDS}))
+    return layers
 
 
 def _hidden_shape(tensor: gs.Tensor, ctx: Context):
