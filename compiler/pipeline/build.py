@@ -117,7 +117,7 @@ def _best_first(model: Model, name: str, options: Options, table, observe, resul
     mode = rope.mode if rope is not None else "table"
     result.options = result.options.replace(rope_mode=given or mode)
     better = rope.better if rope is not None else None
-    if better and not given and mode == better[0]:
+    if better and not given:  # the pass took it
         result.picked["rope_mode"] = f"{mode}: {better[1]}"
     elif better and given and suggest:
         result.suggested["rope_mode"] = f"{better[0]}: the {given} mode leaves {first.cpu_nodes} nodes of '{name}' " \

@@ -30,7 +30,7 @@ from mtkc.target.assess import Assessment, Group
 log = logging.getLogger("mtkc")
 
 SCHEMA_VERSION = 2
-SHAPE_REMEDY = "bind dims: --seq-len/--cache-len/--batch/--input-shape (compile binds T=128, C=512, batch 1)"
+SHAPE_REMEDY = "--seq-len, --cache-len, --batch or --input-shape (compile binds T=128, C=512, batch 1)"
 
 
 @dataclass
@@ -91,14 +91,18 @@ class CheckReport:
                                          self.assessment.nodes - self.assessment.supported)
 
     def remedy(self, group: Group) -> str:
-        """The option or pass that fixes the group's nodes in compile, else the table's remedy."""
+        """One style: the pass that fixes the group's nodes in compile (or the table's passes), the
+        option, or the first SDK that runs them; else `CPU fallback`. The table's hint is `hint`."""
         fixed = {self.rewritten_by[n] for n in group.nodes if n in self.rewritten_by}
         if group.reason == "shape-dynamic":
             return SHAPE_REMEDY
         if fixed and len(fixed) == 1 and all(n in self.rewritten_by for n in group.nodes):
             return f"pass {fixed.pop()} (compile runs it)"
         v = group.verdict
-        return v.remedy
+        known = v.known_passes
+        if v.passes:
+            return ", ".join(f"pass {p}" + (" (planned)" if known is not None and p not in known else "") for p in v.passes)
+        return f"--sdk {v.first_sdk}" if v.first_sdk else "CPU fallback"
 
     def to_json(self) -> dict:
         a = self.assessment
@@ -121,7 +125,7 @@ class CheckReport:
             "coverage": {"raw": a.coverage, "compiled": self.coverage_compiled},
             "unsupported": [
                 {"op": g.op, "domain": g.domain, "count": g.count, "reason": g.reason, "detail": g.verdict.detail,
-                 "remedy": self.remedy(g), "nodes": list(g.nodes),
+                 "remedy": self.remedy(g), "hint": g.verdict.hint, "nodes": list(g.nodes),
                  "rewritten_by": {n: self.rewritten_by[n] for n in g.nodes if n in self.rewritten_by}}
                 for g in a.groups
             ],
