@@ -31,7 +31,7 @@ from mtkc.errors import InputError
 from mtkc.pipeline.verify import load_manifest
 from mtkc.runtime.generate import Generator
 from mtkc.runtime.partitioned import partition_sessions, use_partitions
-from mtkc.runtime.prompts import Prompt
+from mtkc.runtime.prompts import Prompt, check_vocab
 
 log = logging.getLogger("mtkc")
 
@@ -74,6 +74,8 @@ def calibrate(out: str | Path, prompts: list[Prompt], decode_steps: int = 8, max
     generator = Generator(out)
     if not npu_partitions(manifest):
         raise InputError(f"{out}/manifest.json: no NPU partition to calibrate")
+    for prompt in prompts:
+        check_vocab(prompt, generator.vocab)  # before anything is written, naming the prompt's line
     expected = plan(manifest, prompts, generator.prefill[0].tokens, decode_steps)
     log.info("mtkc: calibration: %d prompt(s) -> %s, %s on disk", len(prompts),
              ", ".join(f"{k}: {n} samples" for k, n in expected.samples.items()), _size(expected.bytes))
@@ -90,7 +92,7 @@ def calibrate(out: str | Path, prompts: list[Prompt], decode_steps: int = 8, max
             try:
                 generator.generate(prompt.ids, decode_steps + 1)
             except InputError as exc:
-                raise InputError(f"prompt {k + 1} ({len(prompt.ids)} tokens): {exc}") from None
+                raise InputError(f"{prompt.where}: {exc}") from None
         index = {"prompts": [{"ids": p.ids, **({"text": p.text} if p.text is not None else {})} for p in prompts],
                  "decode_steps": decode_steps, "samples": recorder.index}
         _write(stage / "index.json", dumps(index))
