@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import os
 import signal
@@ -23,6 +24,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from mtkc.cli import main
 from mtkc.display import EscapingFormatter
+from mtkc.pipeline.calibrate import save_npz
+
+WORDS = 2000  # make_tokenizer's words t0..t1999 (the tiny LLM exports' vocabulary is 1000)
 
 
 def save(model: onnx.ModelProto, path: Path) -> Path:
@@ -128,3 +132,45 @@ def assert_contract(result: Outcome, code: int, says: str | None = None) -> None
         assert len(errors) == 1, lines
     if says is not None:
         assert says in (errors[0] if errors else result.err + result.out), (says, lines)
+
+
+def calibrate_by_hand(out: Path, samples: int = 2) -> None:
+    """A calibration set as `mtkc calibrate` writes it, for a compile without an LLM (no run needed)."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    rng = np.random.default_rng(0)
+    counts, index = {}, []
+    for graph in manifest["graphs"]:
+        for part in graph["partitions"]:
+            if part["target"] != "npu":
+                continue
+            name = f"{graph['name']}.{part['id']}"
+            (out / "calibration" / name).mkdir(parents=True)
+            for k in range(samples):
+                save_npz(out / "calibration" / name / f"{k:04d}.npz",
+                         {i["name"]: rng.standard_normal(i["shape"]).astype(i["dtype"]) for i in part["inputs"]})
+                index.append({"dir": name, "file": f"{k:04d}.npz", "prompt": 0, "graph": graph["name"], "step": k})
+            counts[name] = samples
+    (out / "calibration" / "index.json").write_text(json.dumps({"prompts": [{"ids": [1, 2, 3]}], "decode_steps": 0,
+                                                                "samples": index}))
+    (out / "calibration" / "ranges.json").write_text("{}")
+    manifest["calibration"] = {"path": "calibration", "index": "calibration/index.json",
+                               "ranges": "calibration/ranges.json", "prompts": 1, "decode_steps": 0, "samples": counts}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+
+
+def make_tokenizer(folder: Path, chat_template: str | None = None, **config) -> Path:
+    """A word-level tokenizer folder (t0..t1999, whitespace split), optionally with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({f"t{i}": i for i in range(WORDS)}, unk_token="t0"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    core.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="t0")
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(folder)
+    if config:
+        path = folder / "tokenizer_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    return folder

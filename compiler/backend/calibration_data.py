@@ -129,7 +129,9 @@ def _array(archive: zipfile.ZipFile, member: str, spec: dict, path: Path) -> np.
     try:
         with archive.open(member) as f:  # the header first: shape and dtype before any data is read
             version = fmt.read_magic(f)
-            header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+            header = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0}.get(version)
+            if header is None:
+                raise InputError(f"{where}: .npy format version {version[0]}.{version[1]} (mtkc writes 1.0)")
             shape, _, dtype = header(f)
         if dtype.hasobject:
             raise InputError(f"{where}: holds Python objects (a pickle); refused")

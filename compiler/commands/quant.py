@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from mtkc.backend.calibration_data import index_prompts
+from mtkc.backend.calibration_data import ENTRY, index_prompts
 from mtkc.commands.options import print_json
 from mtkc.errors import InputError, MismatchError
 from mtkc.pipeline.quantsim import SCHEMES, format_text, parse_layers, simulate
 from mtkc.pipeline.verify import load_manifest
-from mtkc.runtime.prompts import add_prompt_args, given, load_prompts
+from mtkc.runtime.prompts import Prompt, add_prompt_args, given, load_prompts
 
 DEFAULT_MIN_COSINE = 0.99  # the field's acceptance bar for quantised vs float outputs
 
@@ -29,7 +29,7 @@ def run_quant(args: argparse.Namespace) -> int:
     if args.new_tokens < 1:
         raise InputError(f"--new-tokens {args.new_tokens}: must be at least 1")
     min_cosine = DEFAULT_MIN_COSINE if args.min_cosine is None else args.min_cosine
-    prompts = [p.ids for p in load_prompts(args)] if given(args) else calibration_prompts(args.out)[: args.samples]
+    prompts = load_prompts(args) if given(args) else calibration_prompts(args.out)[: args.samples]
     if args.calibration_samples is not None and args.calibration_samples < 1:
         raise InputError(f"--calibration-samples {args.calibration_samples}: must be at least 1")
     result = simulate(args.out, args.quant, prompts, args.new_tokens, parse_layers(args.keep_fp), min_cosine,
@@ -46,6 +46,7 @@ def run_quant(args: argparse.Namespace) -> int:
     return 0
 
 
-def calibration_prompts(out: str) -> list[list[int]]:
+def calibration_prompts(out: str) -> list[Prompt]:
     """The prompts `mtkc calibrate` ran (its index), when none is given on the command line."""
-    return index_prompts(out, load_manifest(out))
+    index = f"{out}/{ENTRY['index']}"
+    return [Prompt(ids, None, f"{index}: prompts[{k}]") for k, ids in enumerate(index_prompts(out, load_manifest(out)))]

@@ -37,7 +37,7 @@ from mtkc.errors import InputError
 from mtkc.pipeline.verify import load_manifest
 from mtkc.runtime.generate import Generator
 from mtkc.runtime.partitioned import partition_sessions, use_partitions
-from mtkc.runtime.prompts import Prompt
+from mtkc.runtime.prompts import Prompt, check_vocab
 from mtkc.runtime.sessions import Sessions
 
 log = logging.getLogger("mtkc")
@@ -98,6 +98,8 @@ def calibrate(out: str | Path, prompts: list[Prompt], decode_steps: int = 8, max
     generator = Generator(out)
     if not npu_partitions(manifest):
         raise InputError(f"{out}/manifest.json: no NPU partition to calibrate")
+    for prompt in prompts:
+        check_vocab(prompt, generator.vocab)  # before anything is written, naming the prompt's line
     expected = plan(manifest, prompts, generator.prefill[0].tokens, decode_steps, decode_samples)
     _announce(manifest, prompts, expected, decode_steps, decode_samples)
     if max_bytes is not None and expected.bytes > max_bytes:
@@ -117,7 +119,7 @@ def calibrate(out: str | Path, prompts: list[Prompt], decode_steps: int = 8, max
             try:
                 generator.generate(prompt.ids, decode_steps + 1)
             except InputError as exc:
-                raise InputError(f"prompt {k + 1} ({len(prompt.ids)} tokens): {exc}") from None
+                raise InputError(f"{prompt.where}: {exc}") from None
             progress.advance()
         index = {"prompts": [{"ids": p.ids, **({"text": p.text} if p.text is not None else {})} for p in prompts],
                  "decode_steps": decode_steps, "decode_samples": decode_samples, "float32_as": FLOAT32_AS,

@@ -362,12 +362,13 @@ def simulate(out: str | Path, scheme: str, prompts: list[list[int]], new_tokens:
         use_partitions(quantised, manifest, quant_sessions)
         per_prompt = []
         with Progress(f"verify --quant {scheme}", total=len(prompts), unit="prompt") as progress:
-            for ids in prompts:
+            for prompt in prompts:
+                ids = getattr(prompt, "ids", prompt)  # a `Prompt` (naming where it came from) or its ids
                 try:
                     want = reference.generate(ids, new_tokens)
                     got = quantised.generate(ids, new_tokens)
                 except InputError as exc:
-                    raise InputError(f"prompt of {len(ids)} tokens: {exc}") from None
+                    raise InputError(f"{getattr(prompt, 'where', f'prompt of {len(ids)} tokens')}: {exc}") from None
                 same = [a == b for a, b in zip(want, got)]
                 per_prompt.append({"float": want, "quant": got, "agreement": float(np.mean(same)) if same else 1.0,
                                    "prefix": next((k for k, s in enumerate(same) if not s), len(same))})

@@ -158,21 +158,24 @@ class Generator:
         self.stop_reason = None
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int,
-                 observe: Callable[[np.ndarray], None] | None = None) -> list[int]:
+                 observe: Callable[[np.ndarray], None] | None = None,
+                 emit: Callable[[int], None] | None = None) -> list[int]:
         """Greedy tokens after `prompt_ids`; fewer when the cache fills (see `stop_reason`).
-        `observe(logits [k, V])` sees the logits of every call's k real tokens, in order."""
+        `observe(logits [k, V])` sees the logits of every call's k real tokens, in order;
+        `emit(token)` each new token as soon as it is chosen (streaming)."""
         prompt = [int(x) for x in prompt_ids]
         if not prompt:
-            raise InputError("--prompt-ids: the prompt is empty")
+            raise InputError("the prompt is empty")
         bad = next((x for x in prompt if not 0 <= x < self.vocab), None)
         if bad is not None:
-            raise InputError(f"--prompt-ids: token id {bad} is outside the vocabulary (0..{self.vocab - 1})")
+            raise InputError(f"token id {bad} is outside the vocabulary (0..{self.vocab - 1})")
+        emit = emit or (lambda token: None)
         self.reset()
         if max_new_tokens <= 0:
             return []
         t = self.prefill[0].tokens
         if self.full:
-            return self._generate_full(prompt, max_new_tokens, t, observe)
+            return self._generate_full(prompt, max_new_tokens, t, observe, emit)
         for start in range(0, len(prompt), t):
             if not self.fits(t, len(prompt[start:start + t])):
                 raise InputError(f"prompt of {len(prompt)} tokens does not fit the cache of {self.cache_len} "
@@ -181,6 +184,7 @@ class Generator:
             if observe:
                 observe(logits)
         out = [int(np.argmax(logits[-1]))]
+        emit(out[-1])
         while len(out) < max_new_tokens:
             if not self.fits(1, 1):
                 self.stop_reason = (f"cache full: {self.filled} tokens fill cache_len {self.cache_len}; "
@@ -191,9 +195,10 @@ class Generator:
             if observe:
                 observe(logits)
             out.append(int(np.argmax(logits[-1])))
+            emit(out[-1])
         return out
 
-    def _generate_full(self, prompt: list[int], max_new_tokens: int, t: int, observe) -> list[int]:
+    def _generate_full(self, prompt: list[int], max_new_tokens: int, t: int, observe, emit) -> list[int]:
         if len(prompt) > t:
             raise InputError(f"prompt of {len(prompt)} tokens does not fit the graph's {t} tokens "
                              "(compile with --kv-cache for longer sequences)")
@@ -209,6 +214,7 @@ class Generator:
             if observe:
                 observe(logits if not out else logits[-1:])
             out.append(int(np.argmax(logits[-1])))
+            emit(out[-1])
             sequence.append(out[-1])
         return out
 
