@@ -3,7 +3,8 @@
 GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
 cos_cache, sin_cache, position_ids?, attention_bias?, head_sink?) -> output, present_key,
 present_value: packed [B,S,(H+2Hkv)·D] or separate QKV; with `do_rotary` the op rotates Q and K
-itself (rotate-half, cos/sin rows at each token's position); past and present are consumed and
+itself (rotate-half, cos/sin rows at each token's position; over the first R = 2·cos width dims only, the rest passed: partial
+rotary); past and present are consumed and
 made by the op; `seqlens_k` (valid length - 1) and `total_sequence_length` come from the 2-D mask.
 Emitted, before `kv-cache` (which then finds the cache by structure, as in any torch export):
 
@@ -64,14 +65,31 @@ def _refusal(node: gs.Node, mask: gs.Tensor | None) -> str | None:
 
 
 def _head_size(node: gs.Node, heads: int, kv_heads: int) -> int | None:
-    """D from the cos cache ([max, D/2]), a per-head input, or the packed query's last dim."""
+    """D from a per-head input, the (packed) query's width, else the cos cache ([max, R/2], R = D
+    unless the rotary is partial, as Phi-2's)."""
+    for i, n in ((3, None), (1, kv_heads), (0, heads + (2 * kv_heads if _input(node, 1) is None else 0))):
+        width = _width(_input(node, i)) if _input(node, i) is not None else None
+        if width:
+            return width if n is None else width // n
     cos = _input(node, 7)
     if node.attrs.get("do_rotary", 0) and cos is not None and static_shape(cos):
         return 2 * static_shape(cos)[1]
-    for i, n in ((3, None), (1, kv_heads), (0, heads + (2 * kv_heads if _input(node, 1) is None else 0))):
-        shape = _input(node, i).shape if _input(node, i) is not None else None
-        if shape and isinstance(shape[-1], int):
-            return shape[-1] if n is None else shape[-1] // n
+    return None
+
+
+def _width(t: gs.Tensor) -> int | None:
+    """The last dim of `t`: its static shape's, or its MatMul(/Add bias) projection weight's."""
+    if t.shape and isinstance(t.shape[-1], int) and t.shape[-1] > 0:
+        return t.shape[-1]
+    node = t.inputs[0] if t.inputs else None
+    for _ in range(2):
+        if node is None or node.op not in ("MatMul", "Add"):
+            return None
+        const = next((x for x in node.inputs if isinstance(x, gs.Constant)), None)
+        if node.op == "MatMul" and const is not None and len(const.shape) == 2:
+            return int(const.shape[1])
+        other = next((x for x in node.inputs if not isinstance(x, gs.Constant)), None)
+        node = other.inputs[0] if other is not None and other.inputs else None
     return None
 
 
@@ -144,7 +162,8 @@ def _decompose(graph: gs.Graph, node: gs.Node, shared: _Shared) -> str | None:
         positions = _input(node, 9) or shared.positions
         tables = [e.op("Unsqueeze", [e.op("Gather", [shared.table(cache), positions], {"axis": 0}, dtype=f32),
                                      e.ints("ax", 1)], dtype=f32) for cache in (node.inputs[7], node.inputs[8])]
-        q4, k4 = (_rotate(e, x, d, *tables) for x in (q4, k4))
+        rot = 2 * static_shape(node.inputs[7])[1] if static_shape(node.inputs[7]) else d
+        q4, k4 = (_rotate(e, x, d, rot, *tables) for x in (q4, k4))
     presents = []
     for i, (past, new) in enumerate(((node.inputs[3], k4), (node.inputs[4], v4)), start=1):
         out = node.outputs[i] if len(node.outputs) > i else None
@@ -168,14 +187,20 @@ def _decompose(graph: gs.Graph, node: gs.Node, shared: _Shared) -> str | None:
     return None
 
 
-def _rotate(e: Emit, x: gs.Tensor, d: int, cos: gs.Tensor, sin: gs.Tensor) -> gs.Tensor:
-    """x·cos + rotate_half(x)·sin, rotate_half(x) = Concat(-x[..., D/2:], x[..., :D/2])."""
+def _rotate(e: Emit, x: gs.Tensor, d: int, rot: int, cos: gs.Tensor, sin: gs.Tensor) -> gs.Tensor:
+    """x·cos + rotate_half(x)·sin over the first `rot` dims (the rest pass: partial rotary),
+    rotate_half(x) = Concat(-x[..., R/2:R], x[..., :R/2])."""
     f32 = _float(x)
     axis = e.ints("axis3", 3)
-    first = e.op("Slice", [x, e.ints("start0", 0), e.ints("half", d // 2), axis], dtype=f32)
-    second = e.op("Slice", [x, e.ints("half", d // 2), e.ints("end", d), axis], dtype=f32)
+    part = x if rot == d else e.op("Slice", [x, e.ints("start0", 0), e.ints("rot", rot), axis], dtype=f32)
+    first = e.op("Slice", [part, e.ints("start0", 0), e.ints("half", rot // 2), axis], dtype=f32)
+    second = e.op("Slice", [part, e.ints("half", rot // 2), e.ints("end", rot), axis], dtype=f32)
     rotated = e.op("Concat", [e.op("Neg", [second], dtype=f32), first], {"axis": -1}, dtype=f32)
-    return e.op("Add", [e.op("Mul", [x, cos], dtype=f32), e.op("Mul", [rotated, sin], dtype=f32)], dtype=f32)
+    out = e.op("Add", [e.op("Mul", [part, cos], dtype=f32), e.op("Mul", [rotated, sin], dtype=f32)], dtype=f32)
+    if rot == d:
+        return out
+    rest = e.op("Slice", [x, e.ints("rot", rot), e.ints("end_d", d), axis], dtype=f32)
+    return e.op("Concat", [out, rest], {"axis": -1}, dtype=f32)
 
 
 def cache_inputs(graph: gs.Graph) -> dict[str, tuple[int, int]]:

@@ -241,3 +241,89 @@ def test_ort_optimised_graph_without_a_domain_import_is_accepted(capsys, exporte
     code, stdout, err = mtkc(capsys, "verify", out)
     assert code == 0, stdout + err
     assert generated(capsys, out, PROMPTS[1]) == factory.reference_generate(tiny_model(), PROMPTS[1], NEW)
+
+
+def test_the_field_report_walkthrough_runs_as_written(tmp_path):
+    """examples/field_report.py (the README's walkthrough): every step's exit code as shown there,
+    generate equal to transformers, the stand-in converter handed every NPU partition its samples."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "field_report.py"
+    proc = subprocess.run([sys.executable, str(example), "--out", str(tmp_path), "--prompts", "4"],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    steps = [line.split()[2] for line in proc.stdout.splitlines() if line.startswith("$ mtkc")]
+    assert steps == ["check", "compile", "verify", "generate", "calibrate", "verify", "convert"]
+    assert "-> identical" in proc.stdout and "removed: logits for every position" in proc.stdout
+    assert proc.stdout.count("[exit 0,") == 6  # verify --quant may be under its bar (exit 1), and says why
+    records = sorted((tmp_path / "out" / "dla").glob("*.npu*.dla"))
+    assert [r.name for r in records] == ["decode.npu0.dla", "prefill.npu0.dla"]
+    assert all(json.loads(r.read_text())["quantization"]["samples"] > 0 for r in records)
+
+
+def _phi2(hidden: int = 128):
+    import torch
+    from transformers import PhiConfig, PhiForCausalLM
+
+    torch.manual_seed(0)
+    config = PhiConfig(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                       intermediate_size=2 * hidden, vocab_size=1000, max_position_embeddings=256,
+                       partial_rotary_factor=0.5, bos_token_id=1, eos_token_id=2)
+    return PhiForCausalLM(config).eval()
+
+
+def test_phi2_genai_partial_rotary_compiles_and_verifies(capsys, tmp_path):
+    """onnxruntime-genai's Phi-2 (partial rotary: cos cache narrower than D/2) decomposes with the
+    head size from the packed QKV width (was: D from the cos cache, then a dead-end --input-shape
+    remedy); verify's oracle (the genai export in onnxruntime) agrees on logits and tokens."""
+    import subprocess
+    import sys
+
+    import factory
+
+    hf, folder = tmp_path / "hf", tmp_path / "genai"
+    factory.save_model(_phi2(), hf)
+    factory._word_tokenizer(1000).save_pretrained(hf)
+    proc = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", hf, "-o", folder,
+                           "-p", "fp32", "-e", "cpu"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = tmp_path / "out"
+    code, _, err = mtkc(capsys, "compile", folder / "model.onnx", "--sdk", "8.0", "--seq-len", 8, "--cache-len", 64,
+                        "-o", out)
+    assert code == 0, err
+    decode = json.loads((out / "manifest.json").read_text())["graphs"][1]
+    assert {i["name"]: i["shape"] for i in decode["inputs"]}["past_key_0"] == [1, 4, 64, 32]
+    code, stdout, err = mtkc(capsys, "verify", out, "--format", "json")
+    assert code == 0, stdout + err
+    assert len(json.loads(stdout)["generations"]) == 2
+
+
+def test_kv_cache_on_a_packed_key_names_the_attention(capsys, tmp_path):
+    """GPT-2 (`--kv-cache` on a no-cache export): its key reaches attention packed [B,S,H·D] through
+    one Transpose: exit 2 naming the layer, the attention MatMul and the Split (was `fused op None`)."""
+    import warnings
+
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import factory
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=1000, n_positions=256,
+                                       bos_token_id=1, eos_token_id=2)).eval()
+    ids = torch.randint(3, 1000, (2, 7))
+    path = tmp_path / "gpt2.onnx"
+    axes = {n: {0: "batch_size", 1: "sequence_length"} for n in ("input_ids", "attention_mask", "logits")}
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(factory.wrap(model, False), (ids, torch.ones_like(ids)), str(path), dynamo=False,
+                          opset_version=17, input_names=["input_ids", "attention_mask"], output_names=["logits"],
+                          dynamic_axes=axes)
+    code, _, err = mtkc(capsys, "compile", path, "--sdk", "8.0", "--seq-len", 8, "--cache-len", 64, "--kv-cache",
+                        "-o", tmp_path / "out")
+    assert code == 2, err
+    assert "layer 0: the key entering attention at MatMul '/m/transformer/h.0/attn/MatMul'" in err
+    assert "(made by Split '/m/transformer/h.0/attn/Split')" in err and "fused op None" not in err
+    assert not (tmp_path / "out").exists()

@@ -40,7 +40,7 @@ def insert_cache(graph: gs.Graph, root=None) -> list[LayerCache]:
     replaced by a new `position_ids` input, so decode rows get their real position.
     """
     shapes.infer(graph, root)
-    sites = []
+    sites, anchors = [], []  # anchors: the attention MatMuls (Q·Kᵀ, P·V) each entry enters
     for softmax in graph.nodes:
         if softmax.op != "Softmax":
             continue
@@ -49,6 +49,7 @@ def insert_cache(graph: gs.Graph, root=None) -> list[LayerCache]:
         if qk is None or pv is None:
             continue
         sites.append((_kv_entry(qk.inputs[1]), _kv_entry(pv.inputs[1])))
+        anchors.append((qk, pv))
     if not sites:
         fused = sorted({n.op for n in graph.nodes if n.op in ATTENTION_OPS})
         raise InputError(
@@ -61,10 +62,14 @@ def insert_cache(graph: gs.Graph, root=None) -> list[LayerCache]:
     layers = []
     for i, entries in enumerate(sites):
         layer = LayerCache(i, {}, {})
-        for kind, new in zip(KINDS, entries):
+        for kind, new, matmul in zip(KINDS, entries, anchors[i]):
             shape = probe.get(new.name)
             if shape is None or len(shape) != 4 or not all(isinstance(d, int) for d in shape[1::2]):
-                raise InputError(f"layer {i}: {kind} entry '{new.name}' has shape {shape}, expected [B, Hkv, S, D]"
+                maker = new.inputs[0] if new.inputs else None
+                made = f" (made by {maker.op} '{maker.name}')" if maker is not None else ""
+                raise InputError(f"layer {i}: the {kind} entering attention at MatMul '{matmul.name}' is never a "
+                                 f"per-head [B, Hkv, S, D] tensor: its layout ops lead back to '{new.name}' {shape}"
+                                 f"{made}, so there is no {kind} to cache; export with cache I/O (past_key_values)"
                                  + _fused_entry(new))
             dtype = new.dtype or np.float32  # the entries' (fp16 exports: fp16)
             past = gs.Variable(f"past_{kind}_{i}", dtype, ["batch_size", shape[1], "past_sequence_length", shape[3]])
@@ -150,7 +155,7 @@ def _fused_entry(entry: gs.Tensor) -> str:
     """Why a K/V entry is not per-head: a contrib op (e.g. com.microsoft RotaryEmbedding) makes it
     on packed [B, S, Hkv*D] K/V, so there is no [B, Hkv, S, D] tensor to cut ('' otherwise)."""
     node = entry.inputs[0] if entry.inputs else None
-    if node is None or node.domain in ("", "ai.onnx"):
+    if node is None or node.domain in (None, "", "ai.onnx"):
         return ""
     return (f" (made by fused op {node.domain} {node.op} '{node.name}' on packed [B, S, Hkv*D] K/V: "
             "export with cache I/O, or without ORT fusions)")
