@@ -18,6 +18,7 @@ DEFAULT = [
     "fold",
     "int4-weights",  # after fold: mtkc never folds the int8 codes into float weights
     "cleanup",
+    "gelu",  # before opset17: Gelu has no opset-17 form
     "opset17",
     "rope",
     "rmsnorm",

@@ -10,6 +10,7 @@ written at opset 17.
 from __future__ import annotations
 
 import onnx
+import onnx.numpy_helper
 import onnx_graphsurgeon as gs
 
 NPU_OPSET = 17
@@ -28,6 +29,34 @@ def no_opset17_form(node: gs.Node) -> str | None:
     if node.domain in (None, "", "ai.onnx") and node.op in NEW_AFTER_17:
         return f"{node.op} does not exist in opset {NPU_OPSET}"
     return None
+
+
+# Reduce ops whose axes became an input in opset 18 (an attribute up to 17)
+AXES_INPUT_FROM_18 = frozenset({"ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
+                                "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare"})
+
+
+def axes_to_attributes(proto: onnx.ModelProto) -> None:
+    """A model written at opset <= 17: every AXES_INPUT_FROM_18 node whose axes input is an
+    initializer gets them as the attribute (in place). A pass that emitted the 18+ form for a
+    graph kept at 18+ (a node without an opset-17 form) has its NPU partitions written at 17."""
+    version = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)
+    if version is None or version > NPU_OPSET:
+        return
+    inits = {t.name: t for t in proto.graph.initializer}
+    detached = set()
+    for node in proto.graph.node:
+        if node.domain in ("", "ai.onnx") and node.op_type in AXES_INPUT_FROM_18 and len(node.input) == 2 \
+                and node.input[1] in inits:
+            axes = onnx.numpy_helper.to_array(inits[node.input[1]]).reshape(-1).tolist()
+            detached.add(node.input[1])
+            del node.input[1:]
+            node.attribute.append(onnx.helper.make_attribute("axes", [int(a) for a in axes]))
+    used = {i for n in proto.graph.node for i in n.input} | {o.name for o in proto.graph.output}
+    kept = [t for t in proto.graph.initializer if t.name in used or t.name not in detached]
+    if len(kept) != len(proto.graph.initializer):
+        del proto.graph.initializer[:]
+        proto.graph.initializer.extend(kept)
 
 
 def import_domains(domains, version: int = NPU_OPSET) -> list:

@@ -41,6 +41,7 @@ from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
 
 from mtkc.errors import InputError
 from mtkc.ir.model import constants, external_info
+from mtkc.ir.opset import axes_to_attributes
 from mtkc.ir.model_checks import (
     SUB_BYTE_BITS,
     ExternalDataError,
@@ -114,6 +115,7 @@ class WeightWriter:
             for entry in proto.opset_import:
                 if entry.domain in ("", "ai.onnx"):
                     entry.version = opset
+        axes_to_attributes(proto)  # the opset-17 form in a graph written at 17
         _write_atomic(path, proto.SerializeToString(deterministic=True))
         self._graphs.append(path)
         return proto
