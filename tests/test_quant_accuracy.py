@@ -5,7 +5,7 @@ The reference quantises every torch Linear: weights per output channel, symmetri
 (scale = absmax / ((qmax - qmin) / 2), codes in [qmin, qmax]); its input per tensor from the min/max
 the same calibration prompts give (16 bits symmetric, 8 bits asymmetric uint8); the tied LM head gets
 its own quantised copy, the embedding stays float (on the host, as compiled). mtkc quantises more
-(norms, attention, softmax, residual adds), so the two agree within TOLERANCE, not exactly.
+(norms, attention, softmax, residual adds), so the two agree within `agrees`' band, not exactly.
 """
 
 from __future__ import annotations
@@ -38,10 +38,12 @@ CALIBRATION_PROMPTS, CALIBRATION_TOKENS = 24, 40
 EVAL_PROMPTS = 4
 
 
-def TOLERANCE(reference: float) -> float:
-    """|mtkc cosine - reference cosine| allowed: half the reference's error, plus 5e-4 (mtkc also
-    quantises what the reference keeps float)."""
-    return 0.5 * (1 - reference) + 5e-4
+def agrees(got: float, reference: float) -> bool:
+    """The stated tolerance: mtkc's error (1 - cosine) at most 15x the reference's plus 1e-4, and no
+    better than the reference's by more than 1e-4. mtkc quantises a superset (at A8 also the norms'
+    internals, attention scores, softmax and residual adds at 8 bits), so its error is the larger; the
+    default-mask bug of issue 23 (A16W8 0.99971 against 0.999995) is outside this band."""
+    return (1 - got) <= 15 * (1 - reference) + 1e-4 and got <= reference + 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +162,8 @@ def test_simulation_agrees_with_an_independent_torch_fake_quant(scheme, a_bits, 
     expected = torch_cosine(model, torch_quantised(model, linear_ranges(model, prompts[0]), a_bits, w_bits), prompts[1])
     result = sim(scheme)
     got = _cos(result)
-    assert abs(got - expected) <= TOLERANCE(expected), (scheme, got, expected)
+    print(f"{scheme}: mtkc {got:.6f}, torch fake-quant {expected:.6f}")
+    assert agrees(got, expected), (scheme, got, expected)
     if scheme in ("A16W8", "A8W8"):  # A8W8 at the default mask handling (the mask kept out of the scores' range)
         assert got >= 0.99 and result.ok, (scheme, got)
 

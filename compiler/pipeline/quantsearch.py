@@ -1,9 +1,9 @@
-"""`verify --quant SCHEME --plan`: the fewest units raised so the quantised logits hold the bar.
+"""`verify --quant SCHEME --plan`: the fewest units raised so every quantised output holds the bar.
 
     sensitivity  each unit (decoder layer, LM head) quantised alone at SCHEME: SQNR of the logits
     order        most sensitive first (lowest SQNR)
-    search       k = fewest of the first units in that order raised to A16W16 with the logits' cosine
-                 (teacher-forced, real positions, every prefill/decode graph) >= target, by bisection
+    search       k = fewest of the first units in that order raised to A16W16 with every output's cosine
+                 (teacher-forced, real positions, every graph: `verify --quant`'s bar) >= target, by bisection
                  over k (the cosine grows with k); then the same k at A16W8 when that also holds
     result       the plan, OUT/quant-plan.json, and its full simulation (own cache, tokens, perplexity)
 
@@ -21,8 +21,8 @@ from mtkc.pipeline.quantplan import PLAN_FILE, Precision, raised, unit_key, writ
 from mtkc.pipeline.quantsim import QuantResult, Simulation, run_simulation
 
 
-def logits_cosine(figures: dict) -> float:
-    return min(o["cosine"] for o in figures["outputs"] if o["output"] == io.LOGITS)
+def lowest_cosine(figures: dict) -> float:
+    return min(o["cosine"] for o in figures["outputs"])
 
 
 def search(sim: Simulation, scheme: str, prompts: list[list[int]], target: float, mask_value: float,
@@ -34,7 +34,7 @@ def search(sim: Simulation, scheme: str, prompts: list[list[int]], target: float
 
     def score(k: int, level: str) -> float:
         units = {u: level for u in order[:k]}
-        cos = logits_cosine(sim.compare(Precision(scheme, units), prompts, 1, mask_value, full=False))
+        cos = lowest_cosine(sim.compare(Precision(scheme, units), prompts, 1, mask_value, full=False))
         tried.append({"units": {unit_key(u): s for u, s in units.items()}, "cosine": cos})
         return cos
 
@@ -62,12 +62,13 @@ def plan(out: Path, sim: Simulation, scheme: str, prompts: list[list[int]], new_
     result = run_simulation(sim, scheme, prompts, new_tokens, [], units, target, eval_ids, sensitivity=False)
     result.sensitivity = sensitivity
     summary = {"target_cosine": target, "mask_value": result.mask_value, "smooth": sim.smooth,
+               "lowest_cosine": min(o["cosine"] for o in result.outputs),
                "cosine": {f"{o['graph']}.{o['output']}": o["cosine"] for o in result.outputs if o["output"] == io.LOGITS},
                "perplexity": result.perplexity or None, "sensitivity": [{**e, "unit": unit_key(e["unit"])} for e in sensitivity],
                "evaluated": tried}
     write_plan(Path(out) / PLAN_FILE, scheme, units, json.loads(json.dumps(summary)))
     if not result.ok:
-        result.notes.append(f"the target {target:g} is not reached even with every unit at {raised(scheme)[-1:] or scheme}")
+        result.notes.append(f"the target {target:g} is not reached even with every unit at {(raised(scheme) or [scheme])[-1]}")
     result.notes.append(f"plan: {len(units)} unit(s) raised ({', '.join(f'{u} {s}' for u, s in units.items()) or 'none'}) "
                         f"after {len(tried)} evaluation(s); written to {Path(out) / PLAN_FILE}")
     return result

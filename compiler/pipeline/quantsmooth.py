@@ -84,11 +84,15 @@ def smooth(proto: onnx.ModelProto, feeds, alpha: float) -> int:
         node.input[index] = _add(proto, f"{node.input[index]}.smooth", (gain / s.reshape(gain.shape)).astype(np.float32))
         for u, w in zip(readers, weights):
             u.input[1] = _add(proto, f"{u.input[1]}.smooth", (w.astype(np.float64) * s[:, None]).astype(np.float32))
+    used = {name for node in proto.graph.node for name in node.input}
+    kept = [t for t in proto.graph.initializer if t.name in used]
+    del proto.graph.initializer[:]
+    proto.graph.initializer.extend(kept)
     return len(found)
 
 
 def _add(proto: onnx.ModelProto, name: str, value: np.ndarray) -> str:
-    taken = {t.name for t in proto.graph.initializer}
+    taken = {t.name for t in proto.graph.initializer}  # a few sites per layer: cheap
     base, k = name, 1
     while name in taken:
         name, k = f"{base}{k}", k + 1
