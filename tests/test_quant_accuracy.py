@@ -251,3 +251,23 @@ def test_smoothing_changes_no_float_output_and_is_reported(out, sim):
             assert np.abs(a - b).max() <= 1e-4 * max(1.0, np.abs(b).max())
     smoothed = sim("A8W8", smooth=0.5)
     assert smoothed.smooth == 0.5 and 0.9 < _cos(smoothed) <= 1
+
+
+def test_bad_options_are_one_line_errors(out, tmp_path, run_cli):
+    bad = tmp_path / "plan.json"
+    bad.write_text('{"scheme": "A16W4", "units": {"x": "A16W8"}}')
+    cases = [
+        (("verify", out, "--quant", "A16W8", "--eval", tmp_path / "none.txt"), "--eval"),
+        (("verify", out, "--quant", "A16W8", "--keep-fp", "0,head"), "--keep-fp '0,head'"),
+        (("verify", out, "--quant", "A16W8", "--target-cosine", "0.9"), "--target-cosine"),
+        (("verify", out, "--quant", "A16W8", "--smooth", "2"), "--smooth 2"),
+        (("convert", out, "--quant", "A16W4", "--plan", bad, "--no-convert"), "unit 'x'"),
+        (("convert", out, "--quant", "A16W8", "--plan", bad, "--no-convert"), "unit 'x'"),
+        (("convert", out, "--quant", "A16W4", "--plan", tmp_path / "missing.json", "--no-convert"), "missing.json"),
+    ]
+    for args, needle in cases:
+        code, _, err = run_cli(*args)
+        assert code == 2 and needle in err and "Traceback" not in err, (args, err)
+    bad.write_text('{"scheme": "A16W8", "units": {"0": "A16W16"}}')
+    code, _, err = run_cli("convert", out, "--quant", "A16W4", "--plan", bad, "--no-convert")
+    assert code == 2 and "the plan is for A16W8" in err
