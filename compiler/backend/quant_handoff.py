@@ -13,6 +13,11 @@ The converter step is MediaTek's Python API (its CLI takes no calibration data),
 convert.sh so a user with the SDK runs exactly these settings; with `--converter-cmd` the user's
 command gets `{calibration}` (the samples folder) and `{precision}`. Nothing runs when the SDK is
 absent, and nothing pretends it did.
+
+With a mixed-precision plan (`mtkc convert --plan quant-plan.json`, written by `verify --quant --plan`)
+`precision_proportion` holds each precision's share of the NPU weights (`sym4W_sym16A=0.8,sym8W_sym16A=0.2`
+as `{precision}`) and the manifest's `quant.plan` names every raised layer and its MatMul nodes: the
+converter's proportions are MediaTek's attested knob; which ops it raises is its choice.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ def samples():
 converter.quantize = True
 converter.use_per_output_channel_quantization = True
 converter.calibration_data_gen = samples
-converter.precision_proportion = dict([(precision, 1.0)])  # no braces: the code is a command template
+converter.precision_proportion = dict((k, float(v or 1)) for k, _, v in (p.partition('=') for p in precision.split(',')))
 converter.convert_to_tflite(output_file=dst, tflite_op_export_spec=spec)
 """
 
@@ -58,10 +63,18 @@ class Quant:
     """The quantisation settings of one hand-off."""
 
     scheme: str
+    plan: dict | None = None  # a mixed-precision plan: {"units": {unit: scheme}, "proportion": {precision: share}}
+
+    @property
+    def proportion(self) -> dict[str, float]:
+        return dict((self.plan or {}).get("proportion") or {PRECISION[self.scheme]: 1.0})
 
     @property
     def precision(self) -> str:
-        return PRECISION[self.scheme]
+        """`{precision}`: the scheme's precision key, or `key=share,...` (MediaTek's precision_proportion) for a plan."""
+        if not self.plan:
+            return PRECISION[self.scheme]
+        return ",".join(f"{k}={v:g}" for k, v in sorted(self.proportion.items()))
 
     def backend(self, converter) -> handoff.Backend:
         """MediaTek's chain with the quantising Python step, runnable when mtk_converter and the compiler are present."""
@@ -84,7 +97,8 @@ class Quant:
         return handoff.Backend("mediatek-quant", steps, True, modules=modules)
 
     def section(self) -> dict:
-        return {"quant": {"scheme": self.scheme, "precision_proportion": {self.precision: 1.0},
-                          "precision_attested": self.precision in ATTESTED, "per_output_channel": True,
-                          "calibration": "calibration/<graph>.<partition>/*.npz"}}
+        return {"quant": {"scheme": self.scheme, "precision_proportion": self.proportion,
+                          "precision_attested": set(self.proportion) <= ATTESTED, "per_output_channel": True,
+                          "calibration": "calibration/<graph>.<partition>/*.npz",
+                          **({"plan": self.plan} if self.plan else {})}}
 

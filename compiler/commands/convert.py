@@ -27,6 +27,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--converter-cmd", metavar="TEMPLATE",
                         help="your converter command per NPU partition; placeholders as compile's, plus "
                         "{calibration} (the samples folder) and {precision}")
+    parser.add_argument("--plan", metavar="FILE",
+                        help="mixed precision written by `mtkc verify OUT --quant SCHEME --plan` (quant-plan.json): "
+                        "each precision's share as precision_proportion, the raised layers in the manifest")
     parser.add_argument("--no-convert", action="store_true", help="only write OUT/convert.sh; run no converter")
     parser.add_argument("--format", choices=("text", "json"), default="text", help="summary format on stdout")
     add_common(parser)
@@ -35,7 +38,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
 
-    section = convert(args.out, args.quant, args.converter_cmd, args.no_convert)
+    section = convert(args.out, args.quant, args.converter_cmd, args.no_convert, args.plan)
     if args.format == "json":
         print_json(section)
     elif section.get("ran"):  # messages, not data: stderr

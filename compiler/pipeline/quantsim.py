@@ -17,28 +17,28 @@ free-running for the greedy-token agreement with float.
 
 from __future__ import annotations
 
-import re
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnx
-import onnx_graphsurgeon as gs
 
 from mtkc.backend.calibration_data import folder_name, read_sample, sample_files
+from mtkc.contract import io
 from mtkc.contract import mask as contract_mask
 from mtkc.display import Progress
 from mtkc.errors import InputError
-from mtkc.ir import weights
 from mtkc.ir.execute import session
-from mtkc.pipeline.calibrate import npu_partitions, reopen_as_partitions
+from mtkc.ir.model import external_info
+from mtkc.pipeline import quantsmooth
+from mtkc.pipeline.calibrate import npu_partitions
+from mtkc.pipeline.quantmetrics import Agreement, forced, nll, real_rows, rows_of, windows
+from mtkc.pipeline.quantplan import LM_HEAD, SCHEMES, Precision, layer_of, parse_units, unit_of
 from mtkc.pipeline.verify import load_manifest
 from mtkc.runtime.generate import Generator
 from mtkc.runtime.partitioned import GraphRunner, partition_sessions, use_partitions
 
-SCHEMES = {"A16W16": (16, 16), "A16W8": (16, 8), "A16W4": (16, 4), "A8W8": (8, 8), "A8W4": (8, 4)}
-LAYER = re.compile(r"layers[./](\d+)[./]")
 _OPAQUE = "mtkc.opaque"  # stand-in domain for ops without an ONNX schema while the opset is raised
 
 MASK_RESOLUTION = 1000.0  # |mask value| above which 16-bit masked scores lose their fractional part
@@ -57,11 +57,6 @@ def channel_axis(node: onnx.NodeProto, rank: int) -> int:
     return 0 if node.op_type == "Conv" else rank - 1
 
 
-def layer_of(node: onnx.NodeProto) -> int | None:
-    m = LAYER.search(node.name)
-    return int(m[1]) if m else None
-
-
 def layer_outputs(graph: onnx.GraphProto) -> dict[int, str]:
     """Each decoder layer's output: the first output of its last node (exporter node names `layers.<i>/`)."""
     last: dict[int, str] = {}
@@ -72,48 +67,40 @@ def layer_outputs(graph: onnx.GraphProto) -> dict[int, str]:
     return dict(sorted(last.items()))
 
 
-def parse_layers(text: str | None) -> list[int]:
-    if not text:
-        return []
-    try:
-        layers = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise InputError(f"--keep-fp '{text}': expected comma-separated layer numbers, e.g. 0,3") from None
-    if any(x < 0 for x in layers):
-        raise InputError(f"--keep-fp '{text}': layer numbers are >= 0")
-    return layers
-
-
-def overrides(graph: onnx.GraphProto, scheme: str, keep: set[int], base_dir: str = "") -> dict[str, list[dict]]:
-    """onnxruntime `TensorQuantOverrides`: every float constant's precision and axis, and the
-    activations inside `keep` layers at 16 bits. External weights are read from `base_dir`, one at a time."""
+def overrides(graph: onnx.GraphProto, precision: Precision) -> dict[str, list[dict]]:
+    """onnxruntime `TensorQuantOverrides`: every float constant's precision and axis (from the scheme
+    of the node using it), and the activations of raised units at their scheme's bits."""
     from onnxruntime.quantization import QuantType
 
-    a_bits, w_bits = SCHEMES[scheme]
     signed = {16: QuantType.QInt16, 8: QuantType.QInt8, 4: QuantType.QInt4}
+    base_a = SCHEMES[precision.scheme][0]
     floats = {t.name: t for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
     result: dict[str, list[dict]] = {}
     for node in graph.node:
-        kept = layer_of(node) in keep
-        for k, name in enumerate(node.input):
+        scheme = precision.of(node)
+        if scheme is None:
+            continue
+        a_bits, w_bits = SCHEMES[scheme]
+        for i, name in enumerate(node.input):
             if name not in floats or name in result:
                 continue
-            if k == weight_index(node):
-                bits = 16 if kept else w_bits
-                result[name] = channel_scales(floats[name], channel_axis(node, len(floats[name].dims)), bits, signed[bits],
-                                              base_dir)
+            if i == weight_index(node):
+                result[name] = channel_scales(floats[name], channel_axis(node, len(floats[name].dims)), w_bits, signed[w_bits])
             else:
-                result[name] = [{"quant_type": signed[16 if kept else a_bits], "symmetric": True}]
-    if keep and a_bits != 16:
-        users: dict[str, list[onnx.NodeProto]] = {}
-        for node in graph.node:
-            for name in node.input:
-                users.setdefault(name, []).append(node)
-        for node in graph.node:
-            if layer_of(node) in keep:
-                for name in node.output:
-                    if name and users.get(name) and all(layer_of(u) in keep for u in users[name]):
-                        result[name] = [{"quant_type": QuantType.QInt16, "symmetric": True}]
+                result[name] = [{"quant_type": signed[a_bits], "symmetric": True}]
+    users: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            users.setdefault(name, []).append(node)
+    for node in graph.node:
+        scheme = precision.of(node)
+        if scheme is None or SCHEMES[scheme][0] == base_a:
+            continue
+        for name in node.output:
+            if name and users.get(name) and all(precision.of(u) == scheme for u in users[name]):
+                a_bits = SCHEMES[scheme][0]
+                result[name] = [{"quant_type": QuantType.QInt16, "symmetric": True} if a_bits == 16
+                                else {"quant_type": QuantType.QUInt8, "symmetric": False}]
     return result
 
 
@@ -158,9 +145,10 @@ class SampleReader:
     (`CalibStridedMinMax`: each sample's intermediate tensors are reduced to min/max before the
     next runs, so memory does not grow with the samples)."""
 
-    def __init__(self, files: list[Path], inputs: list[dict]):
+    def __init__(self, files: list[Path], inputs: list[dict], mask: tuple[float, float] | None = None):
         self.files, self.inputs = list(files), inputs
         self.position, self.end = 0, len(self.files)
+        self.mask = mask  # (compiled value, value fed instead) in the additive mask input
 
     def set_range(self, start_index: int, end_index: int) -> None:
         self.position, self.end = start_index, min(end_index, len(self.files))
@@ -169,52 +157,68 @@ class SampleReader:
         if self.position >= self.end:
             return None
         self.position += 1
-        return read_sample(self.files[self.position - 1], self.inputs)  # checked: untrusted OUT content
+        data = read_sample(self.files[self.position - 1], self.inputs)  # checked: untrusted OUT content
+        return {k: swap_mask(v, self.mask) if k == io.ATTENTION_MASK else v for k, v in data.items()}
 
     def __len__(self) -> int:
         return len(self.files)
 
 
-def quantize_partition(out: Path, manifest: dict, graph: dict, part: dict, scheme: str, keep: set[int],
-                       workdir: Path, samples: int | None = None) -> Path:
+def swap_mask(value: np.ndarray, mask: tuple[float, float] | None) -> np.ndarray:
+    """The additive mask with its masked entries (the compiled value) at the value quantisation uses."""
+    if mask is None or mask[0] == mask[1]:
+        return value
+    return np.where(value == np.float32(mask[0]), np.float32(mask[1]), value).astype(value.dtype)
+
+
+def quantize_partition(out: Path, manifest: dict, graph: dict, part: dict, precision: Precision,
+                       workdir: Path, samples: int | None = None, mask: tuple[float, float] | None = None,
+                       smooth_alpha: float | None = None) -> Path:
     """Write the quantised copy of one NPU partition into `workdir`; returns its path.
-    `samples`: calibrate on at most that many stored samples, evenly spaced (default: all)."""
+    `samples`: calibrate on at most that many stored samples, evenly spaced (default: all).
+    `smooth_alpha`: SmoothQuant's float rewrite (`quantsmooth`) on the copy first.
+    The float copy and its calibrated ranges are made once per workdir and reused by every precision."""
     import logging
 
+    from onnx.external_data_helper import load_external_data_for_model
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     files = sample_files(out, manifest, folder_name(graph, part))
     if samples and len(files) > samples:
         files = [files[k * len(files) // samples] for k in range(samples)]
-    source = float_copy(out / part["path"], workdir / f"{graph['name']}.{part['id']}.float.onnx")
-    proto = onnx.load(str(source), load_external_data=False)
+    proto = raise_opset(onnx.load(str(out / part["path"]), load_external_data=False))
+    big = sum(t.ByteSize() for t in proto.graph.initializer) + sum(
+        int(e.get("length", 0)) for e in ((external_info(t) or {}) for t in proto.graph.initializer)) > 1 << 30
+    load_external_data_for_model(proto, str(out))  # a private copy: onnx refuses links to OUT's weights
+    source = workdir / f"{graph['name']}.{part['id']}.float.onnx"
+    if not source.exists():
+        if smooth_alpha is not None:
+            reader = SampleReader(files[:: max(1, len(files) // quantsmooth.MAX_SAMPLES)][: quantsmooth.MAX_SAMPLES],
+                                  part["inputs"], mask)
+            quantsmooth.smooth(proto, iter(reader.get_next, None), smooth_alpha)
+        onnx.save(proto, str(source), save_as_external_data=big, location=f"{source.name}.data")
     op_types = sorted({n.op_type for n in proto.graph.node})
-    tensor_overrides = overrides(proto.graph, scheme, keep, base_dir=str(workdir))
+    tensor_overrides = overrides(proto.graph, precision)
+    excluded = [n.name for n in proto.graph.node if n.name and precision.of(n) is None]
     del proto
-    target = workdir / f"{graph['name']}.{part['id']}.{scheme}.onnx"
-    a_bits, w_bits = SCHEMES[scheme]
+    target = workdir / f"{graph['name']}.{part['id']}.{len(list(workdir.glob('*.q.onnx')))}.q.onnx"
+    a_bits, w_bits = SCHEMES[precision.scheme]
     quiet = logging.getLogger().level
     logging.getLogger().setLevel(logging.ERROR)  # onnxruntime.quantization logs advice through the root logger
     try:
         quantize_static(
-            str(source), str(target), SampleReader(files, part["inputs"]), quant_format=QuantFormat.QDQ, per_channel=True,
+            str(source), str(target), SampleReader(files, part["inputs"], mask), quant_format=QuantFormat.QDQ, per_channel=True,
             activation_type=QuantType.QInt16 if a_bits == 16 else QuantType.QUInt8,
             weight_type={16: QuantType.QInt16, 8: QuantType.QInt8, 4: QuantType.QInt4}[w_bits],
-            op_types_to_quantize=op_types,
-            calibrate_method=CalibrationMethod.MinMax, use_external_data_format=True,
+            op_types_to_quantize=op_types, nodes_to_exclude=excluded,
+            calibrate_method=CalibrationMethod.MinMax, use_external_data_format=big,
+            calibration_cache_path=str(workdir / f"{graph['name']}.{part['id']}.ranges.json"),
             extra_options={"ActivationSymmetric": a_bits == 16, "WeightSymmetric": True, "CalibStridedMinMax": 1,
                            "TensorQuantOverrides": tensor_overrides})
     finally:
         logging.getLogger().setLevel(quiet)
     return target
 
-
-def float_copy(partition: Path, path: Path) -> Path:
-    """The partition at opset 21 as `path`, its weights copied file to file into `<path.name>.data`
-    (onnx refuses links to OUT's weights.bin; no weight is held in memory, no proto serialised whole)."""
-    proto = raise_opset(onnx.load(str(partition), load_external_data=False))
-    weights.save(gs.import_onnx(proto), partition.parent, path)
-    return path
 
 def with_outputs(path: Path, names: list[str], root: Path):
     """An ORT session of the model at `path` that also outputs the tensors `names` (layer probes)."""
@@ -226,43 +230,19 @@ def with_outputs(path: Path, names: list[str], root: Path):
 
 
 @dataclass
-class Agreement:
-    """Running comparison of one tensor, quantised vs float, over every call."""
-
-    dot: float = 0.0
-    norm_q: float = 0.0
-    norm_f: float = 0.0
-    max_abs: float = 0.0
-    worst: float = 1.0  # lowest cosine of a single call
-    top1: int = 0
-    rows: int = 0
-
-    def add(self, quant: np.ndarray, ref: np.ndarray, rows: bool = False) -> None:
-        q, f = np.asarray(quant, np.float64).ravel(), np.asarray(ref, np.float64).ravel()
-        self.dot += float(q @ f)
-        self.norm_q += float(q @ q)
-        self.norm_f += float(f @ f)
-        self.max_abs = max(self.max_abs, float(np.abs(q - f).max()) if q.size else 0.0)
-        self.worst = min(self.worst, _cosine(float(q @ f), float(q @ q), float(f @ f)))
-        if rows:
-            a, b = np.asarray(quant), np.asarray(ref)
-            a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
-            self.top1 += int((a.argmax(-1) == b.argmax(-1)).sum())
-            self.rows += a.shape[0]
-
-    @property
-    def cosine(self) -> float:
-        return _cosine(self.dot, self.norm_q, self.norm_f)
-
-
-@dataclass
 class QuantResult:
     scheme: str
     min_cosine: float
-    keep_fp: list[int]
-    outputs: list[dict] = field(default_factory=list)
-    layers: list[dict] = field(default_factory=list)
-    tokens: dict = field(default_factory=dict)
+    keep_fp: list
+    units: dict = field(default_factory=dict)  # raised units (a plan): unit -> scheme
+    mask_value: float | None = None  # the additive mask value the quantised pipeline is fed
+    smooth: float | None = None  # SmoothQuant alpha applied before calibration
+    outputs: list[dict] = field(default_factory=list)  # teacher-forced, per graph output
+    layers: list[dict] = field(default_factory=list)  # teacher-forced, each layer's output (error accumulated)
+    own_cache: dict = field(default_factory=dict)  # logits on the quantised pipeline's own cache
+    tokens: dict = field(default_factory=dict)  # free-running greedy agreement
+    sensitivity: list[dict] = field(default_factory=list)  # each unit quantised alone
+    perplexity: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -270,146 +250,281 @@ class QuantResult:
         return [o for o in self.outputs if o["cosine"] < self.min_cosine]
 
     @property
-    def weak_layers(self) -> list[int]:
-        return [entry["layer"] for entry in self.layers if entry["cosine"] < self.min_cosine]
+    def weak_layers(self) -> list:
+        """The units whose quantisation alone costs the most: every unit under the bar alone, else the
+        most sensitive ones (fewest to drop) when the whole model is under it."""
+        alone = [e["unit"] for e in self.sensitivity if e["cosine"] < self.min_cosine]
+        if alone or self.ok:
+            return alone
+        ranked = sorted(self.sensitivity, key=lambda e: e["sqnr_db"])
+        return [ranked[0]["unit"]] if ranked else []
 
     @property
     def ok(self) -> bool:
         return not self.under_bar
 
     def suggestion(self) -> str | None:
-        weak = sorted(set(self.weak_layers) | set(self.keep_fp))
+        weak = ordered(set(self.weak_layers) | set(self.keep_fp))
         return f"--keep-fp {','.join(map(str, weak))}" if weak and set(weak) != set(self.keep_fp) else None
 
     def to_json(self) -> dict:
-        return {**asdict(self), "ok": self.ok, "weak_layers": self.weak_layers, "suggest": self.suggestion()}
+        return {**asdict(self), "units": {str(k): v for k, v in self.units.items()}, "ok": self.ok,
+                "weak_layers": self.weak_layers, "suggest": self.suggestion()}
 
 
-def simulate(out: str | Path, scheme: str, prompts: list[list[int]], new_tokens: int = 16,
-             keep_fp: list[int] | None = None, min_cosine: float = 0.99,
-             calibration_samples: int | None = None) -> QuantResult:
-    """Quantise every NPU partition with `scheme` and compare with float on `prompts` (see module doc)."""
-    if scheme not in SCHEMES:
-        raise InputError(f"--quant {scheme}: expected one of {', '.join(SCHEMES)}")
-    out = Path(out)
-    manifest = load_manifest(out)
-    keep = set(keep_fp or [])
-    result = QuantResult(scheme, min_cosine, sorted(keep))
-    mask_value = contract_mask.value_of(manifest.get("options"))
-    if abs(mask_value) > MASK_RESOLUTION:
-        result.notes.append(f"the additive mask value {mask_value:g} sets the per-tensor range of the masked scores, "
-                            f"a step of {abs(mask_value) / 32767:.2g} at 16 bits; compile with MediaTek's "
-                            "--mask-value=-100 when `mtkc verify` passes with it")
-    probes: dict[tuple[str, str], dict[int, str]] = {}  # (graph, partition) -> layer -> tensor
-    for graph in manifest.get("graphs", []):
-        for part in graph["partitions"]:
-            probes[graph["name"], part["id"]] = layer_outputs(onnx.load(str(out / part["path"]), load_external_data=False).graph)
-    by_graph: dict[str, dict[int, str]] = {}
-    for (g, _), found in probes.items():
-        by_graph.setdefault(g, {}).update(found)
-    if not any(probes.values()):
-        result.notes.append("no decoder layer found by node name (layers.<i>/): no per-layer cosine")
-    captured: dict[str, dict[str, np.ndarray]] = {}
+def ordered(units) -> list:
+    return sorted((u for u in units if u != LM_HEAD)) + ([LM_HEAD] if LM_HEAD in units else [])
 
-    def capture(graph, part, inputs, values):
-        captured.setdefault(graph["name"], {}).update(values)
 
-    with tempfile.TemporaryDirectory(prefix="mtkc-quant-") as tmp:
-        quantized = {}
-        with Progress(f"verify --quant {scheme}: quantising", total=len(npu_partitions(manifest)), unit="partition") as progress:
-            for graph, part in npu_partitions(manifest):
-                quantized[graph["name"], part["id"]] = quantize_partition(
-                    out, manifest, graph, part, scheme, keep, Path(tmp), calibration_samples)
-                progress.advance()
+def parse_layers(text: str | None) -> list:
+    return parse_units(text, "--keep-fp")
 
-        def floating(graph, part):
-            path = out / part["path"]
-            return with_outputs(path, list(probes[graph["name"], part["id"]].values()), path.parent)
 
-        def quant(graph, part):
-            if part["target"] != "npu":
-                return floating(graph, part)
-            path = quantized[graph["name"], part["id"]]
-            return with_outputs(path, list(probes[graph["name"], part["id"]].values()), path.parent)
+class Simulation:
+    """One OUT's float pipeline, and quantised pipelines made from its calibration samples (the float
+    copies and calibrated ranges shared by every precision, in `workdir`)."""
 
-        float_sessions = partition_sessions(out, manifest, capture, floating)
-        quant_sessions = partition_sessions(out, manifest, capture, quant)
+    def __init__(self, out: Path, workdir: Path, calibration_samples: int | None = None, smooth: float | None = None):
+        self.out, self.workdir, self.samples, self.smooth = Path(out), Path(workdir), calibration_samples, smooth
+        self.manifest = load_manifest(self.out)
+        self.compiled_mask = contract_mask.value_of(self.manifest.get("options"))
+        self.probes: dict[tuple[str, str], dict[int, str]] = {}  # (graph, partition) -> layer -> tensor
+        for graph in self.manifest.get("graphs", []):
+            for part in graph["partitions"]:
+                path = self.out / part["path"]
+                self.probes[graph["name"], part["id"]] = layer_outputs(onnx.load(str(path), load_external_data=False).graph)
+        self.by_graph: dict[str, dict[int, str]] = {}
+        for (g, _), found in self.probes.items():
+            self.by_graph.setdefault(g, {}).update(found)
+        self.captured: dict[str, dict[str, np.ndarray]] = {}
+        self.float_sessions = partition_sessions(self.out, self.manifest, self._capture, self._floating)
+        self._quant: dict[str, dict] = {}
+
+    def _capture(self, graph, part, inputs, values):
+        self.captured.setdefault(graph["name"], {}).update(values)
+
+    def _floating(self, graph, part):
+        path = self.out / part["path"]
+        return with_outputs(path, list(self.probes[graph["name"], part["id"]].values()), path.parent)
+
+    def quant_sessions(self, precision: Precision, mask_value: float) -> dict:
+        """Partition sessions with every NPU partition quantised at `precision` (the last one kept)."""
+        key = f"{precision.key()}@{mask_value:g}"
+        if key not in self._quant:
+            self._quant.clear()
+            folder = self.workdir / f"mask{mask_value:g}-smooth{self.smooth}"  # float copies and ranges for these
+            folder.mkdir(exist_ok=True)
+            paths = {(g["name"], p["id"]): quantize_partition(self.out, self.manifest, g, p, precision, folder, self.samples,
+                                                              (self.compiled_mask, mask_value), self.smooth)
+                     for g, p in npu_partitions(self.manifest)}
+
+            def make(graph, part):
+                if part["target"] != "npu":
+                    return self._floating(graph, part)
+                path = paths[graph["name"], part["id"]]
+                return with_outputs(path, list(self.probes[graph["name"], part["id"]].values()), path.parent)
+
+            self._quant[key] = partition_sessions(self.out, self.manifest, self._capture, make)
+        return self._quant[key]
+
+    def generator(self, sessions: dict, mask_value: float | None = None) -> Generator:
+        gen = Generator(self.out, mask_value=mask_value)
+        use_partitions(gen, self.manifest, sessions)
+        return gen
+
+    def compare(self, precision: Precision, prompts: list[list[int]], new_tokens: int, mask_value: float,
+                full: bool = True) -> dict:
+        """Teacher-forced figures per graph output and layer (the quantised graphs fed the float run's
+        inputs, real rows only); with `full`, also the quantised pipeline on its own cache (logits over
+        the float tokens) and free-running (its greedy tokens against float's)."""
+        quant_sessions = self.quant_sessions(precision, mask_value)
         stats: dict[tuple[str, str], Agreement] = {}
         layer_stats: dict[tuple[str, int], Agreement] = {}
+        sim, graphs = self, {g["name"]: g for g in self.manifest["graphs"]}
+        mask = (self.compiled_mask, mask_value)
 
         class Compare(GraphRunner):
             """Runs the float pipeline (returned) and the quantised one on the same graph inputs."""
 
             def run(self, names, feed):
-                captured.clear()
-                ref = dict(zip(names, GraphRunner(self.out, self.graph, float_sessions).run(names, feed)))
-                ref_probe = captured.pop(self.graph["name"], {})
-                quant = dict(zip(names, GraphRunner(self.out, self.graph, quant_sessions).run(names, feed)))
-                quant_probe = captured.pop(self.graph["name"], {})
+                sim.captured.clear()
+                ref = dict(zip(names, GraphRunner(self.out, self.graph, sim.float_sessions).run(names, feed)))
+                ref_probe = sim.captured.pop(self.graph["name"], {})
+                qfeed = {k: swap_mask(v, mask) if k == io.ATTENTION_MASK else v for k, v in feed.items()}
+                quant = dict(zip(names, GraphRunner(self.out, self.graph, quant_sessions).run(names, qfeed)))
+                quant_probe = sim.captured.pop(self.graph["name"], {})
+                width = next((np.shape(v)[1] for k, v in feed.items() if k in (io.INPUT_IDS, io.HIDDEN_STATES)), None)
+                rows = real_rows(feed, width) if width else None
+                pick = (lambda v: rows_of(v, rows)) if rows is not None else np.asarray
                 for name in names:
-                    stats.setdefault((self.graph["name"], name), Agreement()).add(quant[name], ref[name], name == "logits")
-                for layer, tensor in by_graph.get(self.graph["name"], {}).items():
+                    stats.setdefault((self.graph["name"], name), Agreement()).add(
+                        pick(quant[name]), pick(ref[name]), name == io.LOGITS)
+                for layer, tensor in sim.by_graph.get(self.graph["name"], {}).items():
                     if tensor in ref_probe and tensor in quant_probe:
-                        layer_stats.setdefault((self.graph["name"], layer), Agreement()).add(quant_probe[tensor], ref_probe[tensor])
+                        layer_stats.setdefault((self.graph["name"], layer), Agreement()).add(
+                            pick(quant_probe[tensor]), pick(ref_probe[tensor]))
                 return [ref[n] for n in names]
 
-        reference = Generator(out)
-        reopen_as_partitions(reference)  # its whole-graph sessions are not kept beside the partitions'
+        reference = Generator(self.out)
         for stage in reference.prefill + reference.decode:
-            stage.session = Compare(out, next(g for g in manifest["graphs"] if g["name"] == stage.name), {})
-        quantised = Generator(out)
-        reopen_as_partitions(quantised)
-        use_partitions(quantised, manifest, quant_sessions)
-        per_prompt = []
-        with Progress(f"verify --quant {scheme}", total=len(prompts), unit="prompt") as progress:
-            for prompt in prompts:
-                ids = getattr(prompt, "ids", prompt)  # a `Prompt` (naming where it came from) or its ids
+            stage.session = Compare(self.out, graphs[stage.name], {})
+        quantised = self.generator(quant_sessions, mask_value) if full else None
+        own, per_prompt = Agreement(), []
+        with Progress(f"verify --quant {precision.scheme}", total=len(prompts), unit="prompt") as progress:
+            for ids in prompts:
+                seen: list[np.ndarray] = []
+                progress.advance()
                 try:
-                    want = reference.generate(ids, new_tokens)
+                    want = reference.generate(ids, new_tokens, observe=seen.append)
+                    if quantised is None:
+                        continue
+                    own.add(forced(quantised, ids, want[:-1]), np.concatenate(seen), top1=True)
                     got = quantised.generate(ids, new_tokens)
                 except InputError as exc:
-                    raise InputError(f"{getattr(prompt, 'where', f'prompt of {len(ids)} tokens')}: {exc}") from None
+                    raise InputError(f"prompt of {len(ids)} tokens: {exc}") from None
                 same = [a == b for a, b in zip(want, got)]
                 per_prompt.append({"float": want, "quant": got, "agreement": float(np.mean(same)) if same else 1.0,
                                    "prefix": next((k for k, s in enumerate(same) if not s), len(same))})
-                progress.advance()
-    result.outputs = [{"graph": g, "output": o, "cosine": s.cosine, "worst_call_cosine": s.worst, "max_abs": s.max_abs,
-                       **({"top1": s.top1 / s.rows} if s.rows else {})} for (g, o), s in stats.items()]
-    by_layer: dict[int, dict[str, float]] = {}
-    for (g, layer), s in sorted(layer_stats.items(), key=lambda x: (x[0][1], x[0][0])):
-        by_layer.setdefault(layer, {})[g] = s.cosine
-    result.layers = [{"layer": k, "cosine": min(v.values()), "graphs": v} for k, v in sorted(by_layer.items())]
-    result.tokens = {"new_tokens": new_tokens, "prompts": len(prompts),
-                     "agreement": float(np.mean([p["agreement"] for p in per_prompt])) if per_prompt else None,
-                     "prefix": float(np.mean([p["prefix"] for p in per_prompt])) if per_prompt else None,
-                     "per_prompt": per_prompt}
+        outputs = [{"graph": g, "output": o, **s.figures()} for (g, o), s in stats.items()]
+        by_layer: dict[int, dict[str, float]] = {}
+        for (g, layer), s in sorted(layer_stats.items(), key=lambda x: (x[0][1], x[0][0])):
+            by_layer.setdefault(layer, {})[g] = s.cosine
+        figures = {"outputs": outputs,
+                   "layers": [{"layer": k, "cosine": min(v.values()), "graphs": v} for k, v in sorted(by_layer.items())]}
+        if full:
+            figures["own_cache"] = own.figures()
+            figures["tokens"] = {"new_tokens": new_tokens, "prompts": len(prompts),
+                                 "agreement": float(np.mean([p["agreement"] for p in per_prompt])) if per_prompt else None,
+                                 "prefix": float(np.mean([p["prefix"] for p in per_prompt])) if per_prompt else None,
+                                 "per_prompt": per_prompt}
+        return figures
+
+    def units(self) -> list:
+        """Every quantisable unit of the NPU partitions: decoder layers, then the LM head."""
+        found = set()
+        for _, part in npu_partitions(self.manifest):
+            graph = onnx.load(str(self.out / part["path"]), load_external_data=False).graph
+            found |= {unit_of(n) for n in graph.node} - {None}
+        return ordered(found)
+
+    def sensitivity(self, scheme: str, prompts: list[list[int]], mask_value: float) -> list[dict]:
+        """Each unit quantised alone at `scheme` (everything else float): prefill logits' SQNR and cosine."""
+        rows = []
+        for unit in self.units():
+            figures = self.compare(Precision(scheme, {unit: scheme}, alone=True), prompts, 1, mask_value, full=False)
+            logits = next(o for o in figures["outputs"] if o["output"] == io.LOGITS and o["graph"].startswith("prefill"))
+            rows.append({"unit": unit, "cosine": logits["cosine"], "sqnr_db": logits["sqnr_db"]})
+        return rows
+
+    def perplexity(self, ids: list[int], sessions: dict | None, mask_value: float | None, limit: int) -> tuple[float, int]:
+        """(perplexity, scored tokens) of the float pipeline (`sessions` None) or a quantised one, on
+        held-out `ids` in cache-length windows on its own cache."""
+        gen = self.generator(sessions if sessions is not None else self.float_sessions, mask_value)
+        total, count = 0.0, 0
+        for window in windows(ids, gen, limit):
+            loss, n = nll(forced(gen, window), window)
+            total, count = total + loss, count + n
+        self.captured.clear()
+        return (float(np.exp(total / count)) if count else float("nan")), count
+
+    def proven_mask(self, scheme: str, prompts: list[list[int]], new_tokens: int) -> tuple[float, str | None]:
+        """The mask value the quantised pipeline is fed, and a note. The compiled value when it is small
+        enough not to set the masked scores' range; else the first of `QUANT_MASKS[a_bits]` under which
+        the FLOAT pipeline gives float's logits (cosine >= 1 - 1e-6) and greedy tokens on the prompts."""
+        value = self.compiled_mask
+        if abs(value) <= MASK_RESOLUTION:
+            return value, None
+        for candidate in QUANT_MASKS[SCHEMES[scheme][0]]:
+            base, trial = self.generator(self.float_sessions), self.generator(self.float_sessions, candidate)
+            agree, same = Agreement(), True
+            for ids in prompts:
+                a, b = [], []
+                same &= base.generate(ids, new_tokens, observe=a.append) == trial.generate(ids, new_tokens, observe=b.append)
+                agree.add(np.concatenate(b), np.concatenate(a))
+            self.captured.clear()
+            if same and agree.cosine >= 1 - 1e-6:
+                return candidate, (f"the compiled mask value {value:g} would set the masked scores' quantisation range "
+                                   f"(a {abs(value) / (2 ** SCHEMES[scheme][0] - 1):.3g} step); the quantised pipeline is "
+                                   f"fed {candidate:g}, proven on the float pipeline (same tokens, logits cosine "
+                                   f"{agree.cosine:.7f}); the device runtime must feed {candidate:g}")
+        return value, (f"the mask value {value:g} sets the masked scores' range: no smaller value keeps the float "
+                       "pipeline's tokens, so quantised attention scores are coarse")
+
+
+QUANT_MASKS = {16: (-100.0,), 8: (-50.0, -100.0)}  # candidate masked values per activation width, tried in order
+EVAL_TOKENS = 2048  # held-out tokens scored by --eval (each pipeline runs them once, in cache-length windows)
+
+
+def simulate(out: str | Path, scheme: str, prompts: list[list[int]], new_tokens: int = 16,
+             keep_fp: list | None = None, min_cosine: float = 0.99, calibration_samples: int | None = None,
+             units: dict | None = None, eval_ids: list[int] | None = None, sensitivity: bool | None = None,
+             smooth: float | None = None) -> QuantResult:
+    """Quantise every NPU partition with `scheme` (`units`/`keep_fp` raised) and compare with float on
+    `prompts` (see module doc). `sensitivity`: each unit alone (default: when under the bar).
+    `smooth`: SmoothQuant's alpha, the float rewrite of the NPU partitions before calibration."""
+    if scheme not in SCHEMES:
+        raise InputError(f"--quant {scheme}: expected one of {', '.join(SCHEMES)}")
+    keep = ordered(set(keep_fp or []))
+    raised_units = {**(units or {}), **{u: "A16W16" for u in keep}}
+    with tempfile.TemporaryDirectory(prefix="mtkc-quant-") as tmp:
+        sim = Simulation(Path(out), Path(tmp), calibration_samples, smooth)
+        return run_simulation(sim, scheme, prompts, new_tokens, keep, raised_units, min_cosine, eval_ids, sensitivity)
+
+
+def run_simulation(sim: Simulation, scheme: str, prompts, new_tokens, keep, raised_units, min_cosine,
+                   eval_ids=None, sensitivity=None) -> QuantResult:
+    result = QuantResult(scheme, min_cosine, keep, raised_units, smooth=sim.smooth)
+    if not any(sim.probes.values()):
+        result.notes.append("no decoder layer found by node name (layers.<i>/): no per-layer cosine")
+    mask_value, note = sim.proven_mask(scheme, prompts, new_tokens)
+    result.mask_value = mask_value
+    if note:
+        result.notes.append(note)
+    precision = Precision(scheme, raised_units)
+    figures = sim.compare(precision, prompts, new_tokens, mask_value)
+    result.outputs, result.layers = figures["outputs"], figures["layers"]
+    result.own_cache, result.tokens = figures["own_cache"], figures["tokens"]
+    if sensitivity or (sensitivity is None and result.under_bar):
+        result.sensitivity = sim.sensitivity(scheme, prompts, mask_value)
+    if eval_ids:
+        fp, n = sim.perplexity(eval_ids, None, None, EVAL_TOKENS)
+        qp, _ = sim.perplexity(eval_ids, sim.quant_sessions(precision, mask_value), mask_value, EVAL_TOKENS)
+        result.perplexity = {"float": fp, "quant": qp, "tokens": n}
     return result
 
 
 def format_text(result: QuantResult) -> str:
-    rows = [("graph", "output", "cosine", "worst call", "max abs", "top-1", "status")]
+    rows = [("graph", "output", "cosine", "SQNR dB", "worst call", "max abs", "top-1", "status")]
     for o in result.outputs:
-        rows.append((o["graph"], o["output"], f"{o['cosine']:.6f}", f"{o['worst_call_cosine']:.6f}", f"{o['max_abs']:.3g}",
-                     f"{o['top1']:.3f}" if "top1" in o else "-", "ok" if o["cosine"] >= result.min_cosine else "UNDER BAR"))
+        rows.append((o["graph"], o["output"], f"{o['cosine']:.6f}", f"{o['sqnr_db']:.1f}", f"{o['worst_call_cosine']:.6f}",
+                     f"{o['max_abs']:.3g}", f"{o['top1']:.3f}" if "top1" in o else "-",
+                     "ok" if o["cosine"] >= result.min_cosine else "UNDER BAR"))
     widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
-    lines = [f"quantisation simulation {result.scheme}" + (f", --keep-fp {','.join(map(str, result.keep_fp))}" if result.keep_fp else "")]
+    raised = ", ".join(f"{u} {s}" for u, s in result.units.items())
+    lines = [f"quantisation simulation {result.scheme}" + (f", raised: {raised}" if raised else "")
+             + (f", smoothed (alpha {result.smooth:g})" if result.smooth is not None else "")
+             + " (teacher-forced: the quantised graphs fed float's inputs; real positions only)"]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     for entry in result.layers:
+        lines.append(f"layer {entry['layer']}: output cosine {entry['cosine']:.6f} (error accumulated through the layers before)")
+    for entry in result.sensitivity:
         mark = "" if entry["cosine"] >= result.min_cosine else "  UNDER BAR"
-        lines.append(f"layer {entry['layer']}: cosine {entry['cosine']:.6f}{mark}")
+        lines.append(f"sensitivity {entry['unit']} quantised alone: logits cosine {entry['cosine']:.6f}, "
+                     f"SQNR {entry['sqnr_db']:.1f} dB{mark}")
+    own = result.own_cache
+    if own:
+        lines.append(f"own quantised cache: logits cosine {own['cosine']:.6f}, SQNR {own['sqnr_db']:.1f} dB, "
+                     f"top-1 {own.get('top1', 0):.3f} over {own.get('positions', 0)} positions")
     t = result.tokens
     if t.get("prompts"):
-        lines.append(f"greedy tokens: {t['agreement']:.3f} agreement with float over {t['prompts']} prompt(s) x "
+        lines.append(f"free-running greedy tokens: {t['agreement']:.3f} agreement with float over {t['prompts']} prompt(s) x "
                      f"{t['new_tokens']} new tokens (first divergence after {t['prefix']:.1f} tokens on average)")
+    p = result.perplexity
+    if p:
+        lines.append(f"perplexity over {p['tokens']} held-out tokens: float {p['float']:.3f}, quantised {p['quant']:.3f}")
     lines += [f"note: {n}" for n in result.notes]
     if result.weak_layers:
-        lines.append(f"layers under the bar: {', '.join(map(str, result.weak_layers))}; try {result.suggestion() or 'A16W16'}")
+        lines.append(f"most sensitive: {', '.join(map(str, result.weak_layers))}; try {result.suggestion() or 'A16W16'}")
     verdict = "ok" if result.ok else f"UNDER BAR in {len(result.under_bar)} output(s)"
     lines.append(f"{verdict} (min cosine {result.min_cosine:g})")
     return "\n".join(lines)
-
-
-def _cosine(dot: float, nq: float, nf: float) -> float:
-    if nq == 0 and nf == 0:
-        return 1.0
-    return dot / np.sqrt(nq * nf) if nq and nf else 0.0
