@@ -103,7 +103,7 @@ def test_quantising_script_feeds_the_converter_float32_samples(out, tmp_path):
         "        open(output_file, 'w').write(json.dumps(seen))\n")
     manifest = json.loads((out / "manifest.json").read_text())
     part = next(p for g in manifest["graphs"] if g["name"] == "decode" for p in g["partitions"] if p["target"] == "npu")
-    names = ",".join(i["name"] for i in part["inputs"])
+    names = json.dumps([i["name"] for i in part["inputs"]])  # {input_names_json}: any name survives
     shapes = ":".join(",".join(map(str, i["shape"])) for i in part["inputs"])
     dst = tmp_path / "seen.json"
     proc = subprocess.run([sys.executable, "-c", PY_QUANT, part["path"], str(dst), names, shapes, "calibration/decode.npu0",
