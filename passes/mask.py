@@ -171,6 +171,12 @@ class Site(Rule):
 
     def finish(self, graph: gs.Graph, ctx: Context, result: PassResult) -> None:
         """The guards go (a guard the rewrites left dead went with them, and still counts)."""
+        if any(w is not None for w in self.new):
+            counts = [sum(1 for k, s in self.found.items() if isinstance(s, tuple) and self.windows.get(k) == w)
+                      for w in self.new]
+            result.notes.append("sliding-window attention: " + ", ".join(
+                f"{n} global ({io.window_mask(w)})" if w is None else f"{n} with window {w} ({io.window_mask(w)})"
+                for w, n in zip(self.new, counts)))
         if self.new:
             result.rewrites += len(self.guards)
             drop(graph, [(n, d) for n, d in self.guards if n.outputs])

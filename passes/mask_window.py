@@ -33,22 +33,21 @@ class Probe:
 
 def probe(graph: gs.Graph, masks: list[tuple[gs.Tensor, bool]], span: int, root=None) -> Probe:
     """Windows of `masks` ((tensor, additive?): an Add operand, else a Where condition, True = visible).
-    Runs on a copy; a weight the construction reads only for its shape (the embedding Gather behind
+    Runs on a copy of the mask's subgraph; a weight the construction reads only for its shape (the embedding Gather behind
     `inputs_embeds`) is replaced by one zero row, so no weight is read."""
     result = Probe()
     names = list({t.name: t for t, _ in masks})
     if not names:
         return result
-    copy = graph.copy()
-    tensors = copy.tensors()
-    targets = [tensors[n] for n in names]
-    nodes, inputs = _ancestors(copy, targets)
-    for node in nodes:
+    targets = list({t.name: t for t, _ in masks}.values())
+    nodes, inputs = _ancestors(graph, targets)
+    sub = gs.Graph(nodes=nodes, inputs=inputs, outputs=targets, opset=graph.opset).copy()  # the mask's nodes only
+    sub.import_domains = graph.import_domains
+    for node in sub.nodes:
         weight = node.inputs[0] if node.op == "Gather" and node.inputs else None
         if isinstance(weight, gs.Constant) and elements(weight) > SMALL and node.attrs.get("axis", 0) == 0:
             node.inputs[0] = gs.Constant(f"{weight.name}/probe_row", np.zeros([1, *weight.shape[1:]], weight.dtype))
-    sub = gs.Graph(nodes=nodes, inputs=inputs, outputs=targets, opset=copy.opset)
-    sub.import_domains = copy.import_domains
+    inputs = sub.inputs
     try:
         values = execute.run(sub, _feeds(inputs, span), root)
     except Exception as exc:  # onnxruntime's own error text: reported, the windows stay unknown

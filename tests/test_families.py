@@ -30,7 +30,7 @@ PROMPTS = {"short": [5, 17, 300], "long": list(range(40, 53))}
 SLOW = {("gemma3", "dynamo", False), ("mistral", "dynamo", False), ("qwen3", "dynamo", False)}
 CASES = [pytest.param(*case, marks=[pytest.mark.slow] if case in SLOW else [], id="-".join(map(str, case[:2])) + ("-cache" if case[2] else ""))
          for case in [("qwen3", "legacy17", True), ("qwen3", "legacy17", False), ("mistral", "legacy17", False),
-                      ("gemma2", "legacy17", False), ("gemma3", "legacy17", False), ("phi3", "legacy17", True),
+                      ("gemma2", "legacy17", False), ("gemma2", "dynamo", False), ("gemma3", "legacy17", False), ("phi3", "legacy17", True),
                       ("phi35", "dynamo", False), ("phi4mini", "dynamo", False), ("llama3", "legacy17", True),
                       ("qwen3", "dynamo", False), ("mistral", "dynamo", False), ("gemma3", "dynamo", False)]]
 SDKS = ("8.0", "6.0")
@@ -96,7 +96,7 @@ def test_placement_and_mask_inputs(family, exporter, cache, compiled):
         assert graph["cpu_nodes"] == len(graph["cpu"]) and all(c["reason"] for c in graph["cpu"]), name
 
 
-@pytest.mark.parametrize("family,exporter,cache", [c for c in CASES if not c.marks][:9:2])
+@pytest.mark.parametrize("family,exporter,cache", [c for c in CASES if not c.marks][:10:2])
 def test_verify_passes(family, exporter, cache, compiled):
     result = V.verify(compiled(family, exporter, cache, "8.0"), samples=1)
     assert result.ok, V.format_text(result)
@@ -114,6 +114,28 @@ def test_cropped_sliding_cache_export_is_refused_naming_it(family, exported, tmp
     with pytest.raises(InputError, match=r"present 'present\.0\.key' keeps only the last entries.*--kv-cache"):
         compile_model(exported(family, "legacy17", True), "8.0", tmp_path / "out", {"seq_len": T, "cache_len": C})
     assert not (tmp_path / "out").exists()
+
+
+def test_opset20_graph_kept_at_20_writes_valid_opset17_partitions(exported, tmp_path):
+    """Gemma 2 dynamo (opset 20) without the gelu pass: Gelu has no opset-17 form, so the graph stays
+    at 20 and Gelu runs on the CPU (with its reason); the NPU partitions, written at 17, take the
+    RMSNorm ReduceMean in its opset-17 form, and the result still verifies."""
+    import onnx
+
+    out = tmp_path / "out"
+    compile_model(exported("gemma2", "dynamo", False), "6.0", out,
+                  {"seq_len": T, "cache_len": C, "kv_cache": True, "skip_passes": ["gelu"]})
+    manifest = _manifest(out)
+    for graph in manifest["graphs"]:
+        for part in graph["partitions"]:
+            onnx.checker.check_model(str(out / part["path"]))  # the issue's "ReduceMean:13 has input size 2"
+            model = onnx.load(str(out / part["path"]), load_external_data=False)
+            if part["target"] == "npu":
+                assert {n.op_type for n in model.graph.node} >= {"ReduceMean", "Tanh"}
+                assert all(len(n.input) == 1 for n in model.graph.node if n.op_type == "ReduceMean")
+    report = json.loads((out / "report.json").read_text())
+    assert {c["op"] for c in report["placement"]["prefill"]["cpu"]} == {"Gelu"}
+    assert V.verify(out, samples=1).ok
 
 
 def test_window_mask_counts_positions_across_cache_gaps():
