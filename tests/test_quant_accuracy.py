@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from mtkc.pipeline import quantsmooth
-from mtkc.pipeline.calibrate import calibrate, folder_name, load_samples, npu_partitions
+from mtkc.backend.calibration_data import folder_name, sample_files
+from mtkc.pipeline.calibrate import calibrate, npu_partitions
 from mtkc.pipeline.compile import compile_model
 from mtkc.pipeline.quantsearch import run_plan
 from mtkc.pipeline.quantsim import SampleReader, simulate
@@ -239,8 +240,8 @@ def test_smoothing_changes_no_float_output_and_is_reported(out, sim):
     graph, part = npu_partitions(manifest)[0]
     proto = onnx.load(str(out / part["path"]), load_external_data=False)
     load_external_data_for_model(proto, str(out))
-    files = load_samples(out, manifest, folder_name(graph, part))[:8]
-    feeds = [SampleReader([f]).get_next() for f in files]
+    files = sample_files(out, manifest, folder_name(graph, part))[:8]
+    feeds = [SampleReader([f], part["inputs"]).get_next() for f in files]
     before = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     names = [o.name for o in before.get_outputs()]
     want = [before.run(names, f) for f in feeds]
