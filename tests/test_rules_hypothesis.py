@@ -88,7 +88,7 @@ def test_chained_and_overlapping_sites_are_each_rewritten_once(case, sdk):
     ctx = Context(load_table(sdk) if sdk else None)
     want = execute.run(graph, feeds)
     native = rmsnorm.native(ctx)
-    canonical = sum(k == "silu" for k in kinds)
+    canonical = sum(k == "silu" for k in kinds) + (kinds.count("norm-fused") if native else 0)  # already the SDK's form
     assert _run(graph, ctx) == len(kinds) - canonical
     ops = [n.op for n in graph.nodes]
     assert not REPLACED & set(ops), ops

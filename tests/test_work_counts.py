@@ -36,8 +36,9 @@ def test_compile_runs_the_pipeline_once_per_graph_written(kv_model, tmp_path):
     assert COUNTS["graph imports"] == 3  # the input's verdicts, prefill, decode
     assert COUNTS["pipeline runs"] == 2
     assert COUNTS["shape inferences"] <= 1 + 5 * len(graphs)
-    # per graph one constant-folding batch and one rope-table evaluation; the run-check loads each file once
-    assert COUNTS["sessions"] == 2 * len(graphs) + files
+    # per graph one constant-folding batch, one rope-table evaluation and one mask-window probe (the
+    # export's mask subgraph, run once); the run-check loads each file once
+    assert COUNTS["sessions"] == 3 * len(graphs) + files
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["options"]["rope_mode"] == "pos_emb"
 
@@ -46,7 +47,7 @@ def test_check_shares_compiles_build_and_runs_nothing_written(kv_model):
     COUNTS.clear()
     report = check(kv_model, SDK)
     assert [g.name for g in report.graphs] == ["prefill", "decode"] and report.picked["rope_mode"].startswith("pos_emb")
-    assert (COUNTS["graph imports"], COUNTS["pipeline runs"], COUNTS["sessions"]) == (3, 2, 4)
+    assert (COUNTS["graph imports"], COUNTS["pipeline runs"], COUNTS["sessions"]) == (3, 2, 6)  # fold, rope tables, mask window per graph
     assert COUNTS["shape inferences"] <= 11
 
 

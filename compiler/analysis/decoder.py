@@ -32,8 +32,9 @@ FUSED_ATTENTION = {"Attention", "MultiHeadAttention", "GroupQueryAttention", "Pa
 PROJECTIONS = {"MatMul", "Gemm", "MatMulNBits", "FusedMatMul", "MatMulInteger", "DynamicQuantizeMatMul"}
 NORMS = {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RMSNormalization",
          "LayerNormalization", "SkipLayerNormalization"}
-_SCORE_PATH = {"Add", "Where", "Mul", "Div", "Tanh", "Cast", "Sub", "Identity", "Reshape"}
-_PROB_PATH = {"Cast", "Where", "IsNaN", "Identity", "Dropout", "Reshape"}
+_QDQ = {"QuantizeLinear", "DequantizeLinear"}  # a QDQ model's activations, transparent to the structure
+_SCORE_PATH = {"Add", "Where", "Mul", "Div", "Tanh", "Cast", "Sub", "Identity", "Reshape", *_QDQ}
+_PROB_PATH = {"Cast", "Where", "IsNaN", "Identity", "Dropout", "Reshape", *_QDQ}
 _LAYOUT = {"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Identity", "Cast", "Tile", "Concat",
            "Mul", "Div", "Add", "Sub", "Neg", "Slice", "Split", "RotaryEmbedding", "Gather",
            "DequantizeLinear", "QuantizeLinear"}
@@ -256,8 +257,8 @@ def _weight(node: gs.Node) -> bool:
 def _projection(t: gs.Tensor, inputs: set[int], layer: Layer, kind: str | None = None):
     """(projection node name, its input, RoPE node) above `t`, breadth first within REACH nodes;
     records the cache concat of `kind` on the way."""
-    frontier, seen, rope = [t], set(), None
-    while frontier and len(seen) < REACH:
+    frontier, seen, rope, qdq = [t], set(), None, 0
+    while frontier and len(seen) - qdq < REACH:  # a QDQ model's Q/DQ pairs do not count
         following = []
         for x in frontier:
             if kind and id(x) in inputs and kind not in layer.past and len(x.shape or [0] * 4) == 4:
@@ -266,6 +267,7 @@ def _projection(t: gs.Tensor, inputs: set[int], layer: Layer, kind: str | None =
             if node is None or id(node) in seen:
                 continue
             seen.add(id(node))
+            qdq += node.op in _QDQ
             if _weight(node):
                 return _remember(layer, node), node.inputs[0], rope
             if node.op not in _LAYOUT:

@@ -16,7 +16,6 @@ from the samples).
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 import zipfile
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mtkc.ir.outdir import MANIFEST
+from mtkc.ir.outdir import MANIFEST, read_json
 from mtkc.errors import InputError
 
 FOLDER = "calibration"
@@ -103,14 +102,7 @@ def index_prompts(out: str | os.PathLike, manifest: dict) -> list[list[int]]:
     path = Path(out) / entry(out, manifest)["index"]
     if path.is_symlink() or not path.is_file():
         raise InputError(f"{path}: the calibration index is missing or not a regular file")
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_INDEX + 1)
-        if len(data) > MAX_INDEX:
-            raise InputError(f"{path}: larger than {MAX_INDEX >> 20} MiB")
-        index = json.loads(data.decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise InputError(f"{path}: cannot read the calibration index ({type(exc).__name__})") from None
+    index = read_json(path, MAX_INDEX, "cannot read the calibration index")
     prompts = index.get("prompts") if isinstance(index, dict) else None
     if not isinstance(prompts, list) or not prompts:
         raise InputError(f"{path}: prompts: expected a non-empty list")

@@ -41,6 +41,18 @@ def read_manifest(out: str | os.PathLike) -> dict:
     return data
 
 
+def read_json(path: Path, limit: int, what: str):
+    """`path` parsed as JSON, refused (InputError naming `what`) past `limit` bytes or when unreadable."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+        if len(data) > limit:
+            raise InputError(f"{path}: larger than {limit >> 20} MiB")
+        return json.loads(data.decode("utf-8-sig"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise InputError(f"{path}: {what} ({type(exc).__name__})") from None
+
+
 def confined(out: str | os.PathLike, relative: object, what: str) -> Path:
     """`OUT/relative` when it is a relative path that stays inside OUT (symlinks resolved) and is a file."""
     if not isinstance(relative, str) or not relative:

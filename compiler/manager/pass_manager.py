@@ -300,8 +300,8 @@ def run_pipeline(
             _fill_types(graph, ctx.root)  # type what the pass left untyped; still loose -> PassError
             after = None
         invariants.check(graph, p.name, loose)
-        invariants.check_dtypes(graph, p)
-        contract = invariants.check_io(graph, p, contract)  # undeclared I/O change -> PassError
+        contract = invariants.check_io(graph, p, contract)  # undeclared I/O change -> PassError (the cause
+        invariants.check_dtypes(graph, p)                   # of a dtype mix it would also leave)
         record = PassRecord(
             p.name, p.origin, result.rewrites, nodes_before, len(graph.nodes),
             time.perf_counter() - start, list(result.misses), list(result.notes), host=dict(result.host),

@@ -9,11 +9,11 @@ so the library never asks a question on stdin either. The chat template is text 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from mtkc.errors import InputError
+from mtkc.ir.outdir import read_json
 
 CONFIGS = ("tokenizer_config.json", "config.json")  # the files whose `auto_map` names code
 MAX_CONFIG = 64 << 20  # bytes; a real tokenizer_config.json (with its template) is well under 1 MB
@@ -71,14 +71,7 @@ def refuse_code(config: Path) -> None:
     """InputError when `config` (a JSON file of the folder, if present) maps classes to custom code."""
     if not config.exists():
         return
-    try:
-        with open(config, "rb") as f:
-            data = f.read(MAX_CONFIG + 1)
-        if len(data) > MAX_CONFIG:
-            raise InputError(f"{config}: larger than {MAX_CONFIG >> 20} MiB")
-        parsed = json.loads(data.decode("utf-8-sig"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise InputError(f"{config}: not a readable JSON file ({type(exc).__name__})") from None
+    parsed = read_json(config, MAX_CONFIG, "not a readable JSON file")
     if not isinstance(parsed, dict):
         raise InputError(f"{config}: expected a JSON object")
     if parsed.get("auto_map"):
