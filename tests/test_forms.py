@@ -4,6 +4,7 @@ compiled, verified and generated; tokens against transformers' `generate`."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -30,7 +31,8 @@ def field_report(tmp_path_factory, tiny_model):
 
     def get(family: str = "qwen2"):
         if family not in made:
-            made[family] = field_export.export_field_report(tiny_model(family), tmp_path_factory.mktemp(f"fr-{family}"))
+            model = copy.deepcopy(tiny_model(family))  # the export sets use_cache=False: not on the shared model
+            made[family] = field_export.export_field_report(model, tmp_path_factory.mktemp(f"fr-{family}"))
         return made[family]
 
     return get
@@ -90,8 +92,6 @@ def test_verify_names_the_original_that_does_not_run(capsys, exported, tmp_path,
 @pytest.fixture(scope="session")
 def half_export(tmp_path_factory, tiny_model):
     """`half_export(kind, family)` -> model.onnx: "torchscript" (`model.half()`, cache) or "genai" (fp16 cuda)."""
-    import copy
-
     import field_export
 
     made = {}
