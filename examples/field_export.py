@@ -6,8 +6,7 @@ cache) through TorchScript at opset 14, with the report's names and dynamic axes
 
 The model's own `forward` keeps its defaults (`use_cache` from the config, `logits_to_keep=0`),
 so the graph carries whatever that tracing makes of them: the extra outputs of a cache built
-inside `forward` and, with transformers 5, the `logits_to_keep` slice. `half=True` is the same
-call on `model.half()` (the fp16 export users bring).
+inside `forward` and, with transformers 5, the `logits_to_keep` slice.
 """
 
 from __future__ import annotations
@@ -16,33 +15,35 @@ import warnings
 from pathlib import Path
 
 
-def export_field_report(model, out_dir, half: bool = False, seq: int = 8) -> Path:
-    """Export `model` as the field report did; returns the path of `model.onnx`."""
+def export_field_report(model, out_dir, seq: int = 8) -> Path:
+    """Export `model` as the field report did; returns the path of `model.onnx`. The model's
+    config is left as it was (the export turns `use_cache` off only while it traces)."""
     import torch
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "model.onnx"
-    model.config.use_cache = False  # a cache object is no traceable output: the report's "no cache"
-    if half:
-        model = model.half()
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(3, model.config.vocab_size, (1, seq), generator=generator)
     attention_mask = torch.ones_like(input_ids)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")  # tracer warnings from transformers internals; expected
-        torch.onnx.export(
-            model, (input_ids, attention_mask), str(path),
-            input_names=["input_ids", "attention_mask"], output_names=["logits"],
-            dynamic_axes={"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"},
-                          "logits": {0: "batch", 1: "sequence"}},
-            opset_version=14, dynamo=False)
+    use_cache, model.config.use_cache = model.config.use_cache, False  # a cache object is no traceable output
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")  # tracer warnings from transformers internals; expected
+            torch.onnx.export(
+                model, (input_ids, attention_mask), str(path),
+                input_names=["input_ids", "attention_mask"], output_names=["logits"],
+                dynamic_axes={"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"},
+                              "logits": {0: "batch", 1: "sequence"}},
+                opset_version=14, dynamo=False)
+    finally:
+        model.config.use_cache = use_cache
     return path
 
 
 def export_half(model, out_dir, cache: bool = True, opset: int = 17) -> Path:
-    """`model.half()` through the factory's TorchScript export (its wrapper, names and axes; float
-    trace inputs in fp16): the fp16 export users bring. Returns the path of `model.onnx`."""
+    """`model.half()` (in place) through the factory's TorchScript export (its wrapper, names and axes;
+    float trace inputs in fp16): the fp16 export users bring. Returns the path of `model.onnx`."""
     import torch
 
     import factory

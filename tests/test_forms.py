@@ -31,8 +31,7 @@ def field_report(tmp_path_factory, tiny_model):
 
     def get(family: str = "qwen2"):
         if family not in made:
-            model = copy.deepcopy(tiny_model(family))  # the export sets use_cache=False: not on the shared model
-            made[family] = field_export.export_field_report(model, tmp_path_factory.mktemp(f"fr-{family}"))
+            made[family] = field_export.export_field_report(tiny_model(family), tmp_path_factory.mktemp(f"fr-{family}"))
         return made[family]
 
     return get
