@@ -15,7 +15,7 @@ from mtkc.errors import InputError, MismatchError, MtkcError, PassError
 from mtkc.ir import execute
 from mtkc.ir.model import load
 from mtkc.manager.pass_manager import Pipeline, builtin_passes, load_registry, resolve_pipeline, run_pipeline
-from mtkc.options import Layer, build
+from mtkc.options import Layer, Options, build
 from mtkc.passes import pipelines
 from mtkc.passes.pipelines import default_pipeline
 from mtkc.pipeline.config import load_config
@@ -495,3 +495,34 @@ def test_plugin_given_as_a_module(monkeypatch):
     monkeypatch.syspath_prepend(str(PLUGINS))
     registry = load_registry(["strip_identity"])
     assert registry.get("strip-identity").origin == "plugin strip_identity" and registry.enabled == ["strip-identity"]
+
+
+def _snapshot(graph: gs.Graph) -> tuple:
+    """The graph's structure, attributes, I/O and every variable's dtype/shape (no weight values)."""
+    def tensor(t):
+        return (t.name, type(t).__name__, str(t.dtype), None if t.shape is None else tuple(t.shape))
+
+    nodes = tuple((n.name, n.op, n.domain, tuple(map(tensor, n.inputs)), tuple(map(tensor, n.outputs)),
+                   repr(sorted(n.attrs.items()))) for n in graph.nodes)
+    return nodes, tuple(map(tensor, graph.inputs)), tuple(map(tensor, graph.outputs))
+
+
+@pytest.mark.parametrize("family, exporter, cache, options", [
+    ("qwen2", "legacy17", True, {"seq_len": 8, "cache_len": 64}),
+    ("qwen2", "dynamo", False, {"seq_len": 8, "kv_cache": True, "cache_len": 64}),
+    ("llama", "legacy14", False, {"seq_len": 8}),
+])
+def test_a_builtin_pass_that_rewrote_nothing_left_the_graph_as_it_was(exported, family, exporter, cache, options):
+    """The pass manager skips restoring/checking invariants after such a pass; this holds it to that."""
+    from mtkc.pipeline.build import build as build_graphs
+
+    model = load(exported(family, exporter, cache=cache))
+    seen: list[tuple] = []
+    result = build_graphs(model, Options(**options), load_table("8.0"),
+                          observe=lambda p, graph: seen.append((p.name, _snapshot(graph))), raw=False)
+    records = result.variants[0].compiled.records
+    assert [r.name for r in records] == [name for name, _ in seen]
+    idle = [i for i, r in enumerate(records) if i and r.rewrites == 0]
+    assert idle, "the pipeline has passes that rewrite nothing on this export"
+    for i in idle:
+        assert seen[i][1] == seen[i - 1][1], f"pass '{records[i].name}' reported 0 rewrites but changed the graph"
