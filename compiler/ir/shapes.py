@@ -20,19 +20,22 @@ import logging
 import math
 from pathlib import Path
 
+import numpy as np
 import onnx
+import onnx.numpy_helper
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx
 from onnx_graphsurgeon.importers.onnx_importer import get_onnx_tensor_dtype, get_onnx_tensor_shape
 
 from mtkc.errors import InputError
-from mtkc.ir import constants
+from mtkc.ir import constants, shape_values
 from mtkc.ir.counts import count
 from mtkc.ir.toposort import topo_order
 
 INLINE_ELEMENTS = 128  # constants copied into the shape-inference model (shape operands)
 PROPAGATE_ELEMENTS = 1 << 20  # a constant Range ONNX's data propagation would spell out, value by value
 MAX_ELEMENTS = 1 << 31  # one tensor: more elements cannot be indexed with int32
+VALUE_ROUNDS = 3  # sweeps with the shape operands' values (each can make more of them static)
 SYMBOLIC_ROUNDS = 8  # passes of onnxruntime's symbolic inference (LLM exports settle in 1-2)
 log = logging.getLogger(__name__)
 
@@ -40,11 +43,26 @@ log = logging.getLogger(__name__)
 def infer(graph: gs.Graph, root: Path | None = None) -> None:
     """Infer dtype/shape of every variable of `graph` in place (weights are never read)."""
     count("shape inferences")
-    proto = stripped_proto(graph, root)
     small = _announced_ranges(graph) <= PROPAGATE_ELEMENTS  # data propagation computes them (2^40: never ends)
-    inferred = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=small)
+    _onnx_infer(graph, root, small)
+    for _ in range(VALUE_ROUNDS):  # shape operands computed from the bound shapes, as constants
+        if not all(_static(t) for t in graph.inputs) or all(_static(t) for t in graph.tensors().values()):
+            break
+        known = shape_values.known_values(graph)
+        loose = sum(1 for t in graph.tensors().values() if not _static(t))
+        _onnx_infer(graph, root, small, known)
+        if sum(1 for t in graph.tensors().values() if not _static(t)) == loose:
+            break
+    finish(graph, root)
+
+
+def _onnx_infer(graph: gs.Graph, root: Path | None, data_prop: bool, known: dict[str, np.ndarray] | None = None) -> None:
+    """ONNX's inference on the stripped copy; `known`: node outputs it sees as constants of these values."""
+    proto = stripped_proto(graph, root, known or {})
+    inferred = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=data_prop)
     infos = {vi.name: vi for vi in [*inferred.graph.value_info, *inferred.graph.output]}
-    for name, tensor in graph.tensors().items():
+    tensors = graph.tensors()
+    for name, tensor in tensors.items():
         vi = infos.get(name)
         if vi is None or not isinstance(tensor, gs.Variable) or not vi.type.HasField("tensor_type"):
             continue
@@ -53,7 +71,9 @@ def infer(graph: gs.Graph, root: Path | None = None) -> None:
         shape = get_onnx_tensor_shape(vi)
         if shape is not None:
             tensor.shape = shape
-    finish(graph, root)
+    for name, value in (known or {}).items():
+        tensor = tensors[name]
+        tensor.dtype, tensor.shape = value.dtype, list(value.shape)
 
 
 def _announced_ranges(graph: gs.Graph) -> int:
@@ -111,8 +131,10 @@ def _static(t: gs.Tensor) -> bool:
     return isinstance(t, gs.Constant) or (t.shape is not None and all(isinstance(d, int) for d in t.shape))
 
 
-def stripped_proto(graph: gs.Graph, root: Path | None = None) -> onnx.ModelProto:
-    """A ModelProto of `graph` with big constants as typed inputs and ONNX-domain outputs untyped.
+def stripped_proto(graph: gs.Graph, root: Path | None = None,
+                   known: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
+    """A ModelProto of `graph` with big constants as typed inputs and ONNX-domain outputs untyped;
+    a node whose output is in `known` becomes an initializer of that value.
 
     Built node by node from `graph` (no copy of the graph; nothing in it changes), in
     topological order: ONNX inference is one forward sweep in node order.
@@ -135,7 +157,12 @@ def stripped_proto(graph: gs.Graph, root: Path | None = None) -> onnx.ModelProto
         else:
             typed_input(t.name, t)
 
+    known = known or {}
     for node in topo_order(graph):
+        if node.outputs and node.outputs[0].name in known:
+            initializers.append(onnx.numpy_helper.from_array(known[node.outputs[0].name], node.outputs[0].name))
+            done.add(node.outputs[0].name)
+            continue
         value = node.attrs.get("value")
         if node.op == "Constant" and _is_onnx(node) and isinstance(value, gs.Constant) and not _inline(value):
             if node.outputs:
