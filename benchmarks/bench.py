@@ -29,12 +29,16 @@ HERE = Path(__file__).resolve().parent
 SIZES = {"0.5b": {"heads": 14, "hidden": 896, "layers": 24}, "1.5b": {"heads": 12, "hidden": 1536, "layers": 28}}
 COPY, GRAPH, CHECK, COMPILE, SLIM, ORT = (
     "weight copy (I/O floor)", "onnx load+save graph", "mtkc check", "mtkc compile", "onnxslim", "ort optimizer")
+VERIFY, GENERATE = "mtkc verify", "mtkc generate"
+GENERATE_TOKENS = 32  # new tokens after a 64-token prompt: 1 prefill chunk, then decode steps
 TARGETS = {  # (tool, what, limit) -- issue 21's targets, checked per size (skipped when a figure is missing)
     "compile wall <= 1.5x copy floor": (COMPILE, "floor", 1.5),
     "compile wall <= 0.5x onnxslim": (COMPILE, "slim", 0.5),
     "compile peak RSS <= 300 MB": (COMPILE, "rss", 300),
     "check wall <= 0.5x copy floor": (CHECK, "floor", 0.5),
     "check peak RSS <= 500 MB": (CHECK, "rss", 500),
+    "verify wall <= 2x its onnxruntime runs": (VERIFY, "runs", 2.0),
+    "generate peak RSS <= fp32 weights + 512 MB": (GENERATE, "rss_over_weights", 512),
 }
 
 
@@ -194,6 +198,37 @@ def compile_counts(model: Path, cache: Path) -> dict[str, int]:
     return json.loads(done.stdout.splitlines()[-1]) if done.returncode == 0 else {}
 
 
+_RUNTIME = """
+import json, sys
+from mtkc.cli import main
+from mtkc.ir.counts import SECONDS
+code = main(sys.argv[2:])
+with open(sys.argv[1], "w") as f:
+    json.dump({k: round(v, 2) for k, v in SECONDS.items()}, f)
+sys.exit(code)
+"""
+
+
+def run_runtime(model: Path, cache: Path, limit_mb: float) -> dict:
+    """verify and generate on one compile of `model` (T=128, C=512): wall and peak RSS, and the seconds
+    each spent in onnxruntime runs (`mtkc.ir.counts.SECONDS`, the bare forward passes it had to make)."""
+    py, rows = sys.executable, {}
+    weights_mb = sum(p.stat().st_size for p in weight_files(model)) / 2**20
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".bench-") as tmp:
+        out, seconds = Path(tmp) / "out", Path(tmp) / "seconds.json"
+        subprocess.run(tools(model, Path(tmp), "0.5b")[COMPILE][:-4] + ["-o", str(out), "--no-convert", "-q"], check=True)
+        prompt = ",".join(str(1 + (7 * i) % 1000) for i in range(64))
+        for name, args in ((VERIFY, ["verify", str(out)]),
+                           (GENERATE, ["generate", str(out), "--prompt-ids", prompt, "--max-new-tokens",
+                                       str(GENERATE_TOKENS), "--format", "json"])):
+            print(f"[runtime] {name} ...", file=sys.stderr)
+            row = measure([py, "-c", _RUNTIME, str(seconds), *args], limit_mb)
+            row["onnxruntime_s"] = json.loads(seconds.read_text()) if seconds.exists() else {}
+            row["weights_mb"] = round(weights_mb, 1)
+            rows[name] = row
+    return rows
+
+
 def tools(model: Path, work: Path, size: str) -> dict[str, list[str]]:
     py, dims = sys.executable, SIZES[size]
     return {
@@ -221,6 +256,8 @@ def run_size(cache: Path, size: str, skip: set[str], limit_mb: float, layers: in
             (work / "copy").mkdir()
             print(f"[{size}] {name} ...", file=sys.stderr)
             rows[name] = measure(tools(model, work, size)[name], limit_mb)
+    if VERIFY not in skip:
+        rows.update(run_runtime(model, cache, limit_mb))
     return {"model": str(model), "bytes": sum(p.stat().st_size for p in model.parent.iterdir()), "tools": rows,
             "compile_counts": compile_counts(model, cache) if COMPILE in rows else {}}
 
@@ -229,8 +266,8 @@ def run_scaling(cache: Path, layer_counts: list[int], limit_mb: float) -> dict:
     """{layers: run_size's result}: the copy floor, check and compile at each layer count (0.5b dims)."""
     rows = {}
     for layers in layer_counts:
-        result = run_size(cache, "0.5b", set(tools(Path("m"), Path("w"), "0.5b")) - {COPY, CHECK, COMPILE}, limit_mb,
-                          layers)
+        result = run_size(cache, "0.5b", set(tools(Path("m"), Path("w"), "0.5b")) - {COPY, CHECK, COMPILE} | {VERIFY},
+                          limit_mb, layers)
         result["targets"] = targets(result["tools"])
         rows[str(layers)] = result
     return rows
@@ -275,7 +312,11 @@ def targets(rows: dict) -> dict[str, dict]:
     for label, (tool, what, limit) in TARGETS.items():
         if tool not in rows:
             continue
-        value = {"floor": rel[tool]["x_copy"], "slim": rel[tool]["x_onnxslim"], "rss": rows[tool]["peak_rss_mb"]}[what]
+        row = rows[tool]
+        runs = (row.get("onnxruntime_s") or {}).get("onnxruntime runs")
+        value = {"floor": rel[tool]["x_copy"], "slim": rel[tool]["x_onnxslim"], "rss": row["peak_rss_mb"],
+                 "runs": round(row["wall_s"] / runs, 2) if runs else None,
+                 "rss_over_weights": round(row["peak_rss_mb"] - row.get("weights_mb", 0), 1)}[what]
         if value is None:
             continue
         out[label] = {"value": value, "met": value is not None and rows[tool]["exit"] == 0 and value <= limit}
@@ -289,6 +330,8 @@ def table(size: str, result: dict) -> str:
     for name, r in rows.items():
         fmt = lambda v: "-" if v is None else f"{v:.2f}"
         note = f" ({r['error']})" if r["error"] else ""
+        if r.get("onnxruntime_s"):
+            note += " (in onnxruntime: " + ", ".join(f"{k} {v:.1f} s" for k, v in sorted(r["onnxruntime_s"].items())) + ")"
         lines.append(f"| {name} | {r['wall_s']:.1f} | {r['peak_rss_mb']:.0f} | {fmt(rel[name]['x_copy'])} | "
                      f"{fmt(rel[name]['x_onnxslim'])} | {r['exit']}{note} |")
     for label, t in result["targets"].items():
@@ -313,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inline", default="", help="layer count of a 0.5b-dims export measured inline vs external; '' skips")
     parser.add_argument("--cache", type=Path, default=HERE / "cache", help="exports and scratch space (gitignored)")
     parser.add_argument("--out", type=Path, default=HERE / "results.json")
-    parser.add_argument("--skip", default="", help=f"comma-separated tool names to skip, of: {', '.join(tools(Path('m'), Path('w'), '0.5b'))}")
+    parser.add_argument("--skip", default="", help="comma-separated tool names to skip, of: "
+                        f"{', '.join([*tools(Path('m'), Path('w'), '0.5b'), VERIFY])} ({VERIFY} skips {GENERATE} too)")
     parser.add_argument("--limit-gb", type=float, default=14.0, help="kill a tool whose process tree exceeds this RSS")
     args = parser.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -322,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"machine": machine(), "sizes": {}, "scaling": {}}
     if args.quick:
         args.sizes, args.layers, args.inline = "", "2", ""
+        skip.add(VERIFY)
     for size in [s for s in args.sizes.split(",") if s]:
         result = run_size(args.cache, size, skip, limit)
         result["targets"] = targets(result["tools"])

@@ -17,7 +17,7 @@ import onnxruntime as ort
 
 from mtkc.errors import InputError
 from mtkc.interrupts import Expired, deadline, interrupted
-from mtkc.ir.counts import count
+from mtkc.ir.counts import count, timed
 from mtkc.ir.model import onnxruntime_view
 
 EXTERNAL_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
@@ -48,7 +48,8 @@ class Bounded:
         options = run_options or ort.RunOptions()
         stop = lambda: setattr(options, "terminate", True)  # noqa: E731 - checked between nodes, Loop iterations too
         try:
-            with deadline(self.seconds, f"{self.what}: still running in onnxruntime after {self.seconds:g} s", stop):
+            with deadline(self.seconds, f"{self.what}: still running in onnxruntime after {self.seconds:g} s", stop), \
+                    timed("onnxruntime runs"):
                 return self.session.run(names, feeds, options)
         except Expired:
             raise InputError(f"{self.what}: still running in onnxruntime after {self.seconds:g} s (a Loop without "
@@ -64,7 +65,8 @@ def open_session(model: str | bytes, options: ort.SessionOptions, what: str, loa
     """An onnxruntime CPU session (from a path or serialized bytes) under the deadlines above."""
     seconds = LOAD_SECONDS if load_seconds is None else load_seconds
     count("sessions")
-    with deadline(seconds, f"{what}: onnxruntime did not finish loading it within {seconds:g} s; stopped"):
+    with deadline(seconds, f"{what}: onnxruntime did not finish loading it within {seconds:g} s; stopped"), \
+            timed("onnxruntime loads"):
         sess = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
     return Bounded(sess, what, RUN_SECONDS if run_seconds is None else run_seconds)
 
