@@ -9,6 +9,7 @@ ratios and writes JSON. See benchmarks/README.md.
     python benchmarks/bench.py --quick              # before/after check of a change: 2 layers, mtkc + floors (< 3 min)
     python benchmarks/bench.py --sizes 0.5b --layers ""  --skip "ort optimizer"
     python benchmarks/bench.py --sizes "" --layers "" --inline 2   # inline vs external data only
+    python benchmarks/bench.py --sizes "" --layers "" --nodes 780  # check on a 200k-node graph only
 """
 
 from __future__ import annotations
@@ -273,6 +274,18 @@ def run_scaling(cache: Path, layer_counts: list[int], limit_mb: float) -> dict:
     return rows
 
 
+def run_many_nodes(cache: Path, layers: int, limit_mb: float) -> dict:
+    """mtkc check on a tiny-dims export with `layers` layers (about 257 nodes each: 780 -> 200k nodes)."""
+    import onnx
+
+    model = ensure_export(cache, "tiny", layers)
+    nodes = len(onnx.load(str(model), load_external_data=False).graph.node)
+    print(f"[{nodes} nodes] {CHECK} ...", file=sys.stderr)
+    row = measure(tools(model, cache, "0.5b")[CHECK], limit_mb)
+    return {"model": str(model), "layers": layers, "nodes": nodes, CHECK: row,
+            "target": {"value": row["wall_s"], "met": row["exit"] == 0 and row["wall_s"] <= 60}}
+
+
 def run_inline(cache: Path, layers: int, limit_mb: float) -> dict:
     """mtkc check and compile of one export in its external-data and its inline form."""
     rows = {}
@@ -354,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", default="2,24,48", help="layer counts for the check/compile scaling run (0.5b dims); '' skips")
     parser.add_argument("--quick", action="store_true", help="only the floors, check and compile on a 2-layer 0.5b-dims export")
     parser.add_argument("--inline", default="", help="layer count of a 0.5b-dims export measured inline vs external; '' skips")
+    parser.add_argument("--nodes", default="", help="layer count of a tiny-dims export whose check is timed (780: about "
+                        "200k nodes; target under a minute); '' skips")
     parser.add_argument("--cache", type=Path, default=HERE / "cache", help="exports and scratch space (gitignored)")
     parser.add_argument("--out", type=Path, default=HERE / "results.json")
     parser.add_argument("--skip", default="", help="comma-separated tool names to skip, of: "
@@ -365,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     limit = args.limit_gb * 1024
     results: dict = {"machine": machine(), "sizes": {}, "scaling": {}}
     if args.quick:
-        args.sizes, args.layers, args.inline = "", "2", ""
+        args.sizes, args.layers, args.inline, args.nodes = "", "2", "", ""
         skip.add(VERIFY)
     for size in [s for s in args.sizes.split(",") if s]:
         result = run_size(args.cache, size, skip, limit)
@@ -389,6 +404,11 @@ def main(argv: list[str] | None = None) -> int:
             ratio = round(s["48"]["tools"][COMPILE]["wall_s"] / s["24"]["tools"][COMPILE]["wall_s"], 2)
             results["scaling_48_over_24"] = {"value": ratio, "met": ratio <= 2.2}
             print(f"- target 48 vs 24 layers <= 2.2x: {ratio}x -> {'met' if ratio <= 2.2 else 'NOT met'}")
+    if args.nodes.strip():
+        results["nodes"] = many = run_many_nodes(args.cache, int(args.nodes), limit)
+        print(f"\n### mtkc check on {many['nodes']} nodes ({many['layers']} tiny layers): {many[CHECK]['wall_s']:.1f} s, "
+              f"peak RSS {many[CHECK]['peak_rss_mb']:.0f} MB, exit {many[CHECK]['exit']} -> target under 60 s "
+              f"{'met' if many['target']['met'] else 'NOT met'}")
     if args.inline.strip():
         layers = int(args.inline)
         results["inline"] = rows = run_inline(args.cache, layers, limit)

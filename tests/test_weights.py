@@ -304,3 +304,26 @@ def test_fresh_graphs_of_an_inline_model_share_stored_tensors_without_hashing(tm
     for name in ("prefill", "decode"):
         got = execute.run(onnx.load(out / f"{name}.onnx", load_external_data=False), {"X": X}, root=out)["Y"]
         np.testing.assert_allclose(got, X @ W + X @ w2, rtol=1e-5, atol=1e-5)
+
+
+def test_a_host_table_streamed_from_external_data_is_np_saves_bytes(tmp_path):
+    """`write_host_tables` copies an external fp32 weight into its .npy in the kernel; the file is
+    what np.save writes for the same values."""
+    from mtkc.runtime.generate import WeightTable, _stream_npy, write_host_tables
+
+    table = np.random.default_rng(0).standard_normal((37, 11)).astype(np.float32)
+    node = oh.make_node("Gather", ["table", "ids"], ["y"])
+    graph = oh.make_graph([node], "g", [oh.make_tensor_value_info("ids", onnx.TensorProto.INT64, [3])],
+                          [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [3, 11])],
+                          [onnx.numpy_helper.from_array(np.zeros(5, np.float32), "pad"),
+                           onnx.numpy_helper.from_array(table, "table")])
+    onnx.save(oh.make_model(graph), str(tmp_path / "m.onnx"), save_as_external_data=True,
+              all_tensors_to_one_file=True, location="m.data", size_threshold=0)
+    model = mmodel.load(tmp_path / "m.onnx")
+    const = next(t for t in model.graph.tensors().values() if t.name == "table")
+    entries = write_host_tables(tmp_path / "out", {"embedding": WeightTable(const, model.values)})
+    np.save(tmp_path / "want.npy", table)
+    assert (tmp_path / "out" / "host" / "embedding.npy").read_bytes() == (tmp_path / "want.npy").read_bytes()
+    assert _stream_npy(WeightTable(const, model.values), tmp_path / "streamed.npy")  # the copied path, not np.save
+    assert (tmp_path / "streamed.npy").read_bytes() == (tmp_path / "want.npy").read_bytes()
+    assert entries == {"embedding": {"path": "host/embedding.npy", "dtype": "float32", "shape": [37, 11]}}

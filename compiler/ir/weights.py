@@ -214,7 +214,7 @@ class WeightWriter:
 
     def _copy(self, fd: int, offset: int, nbytes: int) -> int:
         start = self._aligned_end()
-        _copy_range(fd, self._fd, offset, nbytes)
+        copy_range(fd, self._fd, offset, nbytes)
         self._end = start + nbytes
         return start
 
@@ -301,7 +301,7 @@ def _sample(head, tail) -> bytes:
     return hashlib.sha256(head).digest() + hashlib.sha256(tail).digest()
 
 
-def _copy_range(src: int, dst: int, offset: int, nbytes: int) -> None:
+def copy_range(src: int, dst: int, offset: int, nbytes: int) -> None:
     """Append `nbytes` of `src` from `offset` to `dst`: in-kernel when possible, else in chunks."""
     done = 0
     if hasattr(os, "copy_file_range"):

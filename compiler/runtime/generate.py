@@ -35,6 +35,7 @@ from mtkc.contract import io, mask, positions
 from mtkc.errors import InputError
 from mtkc.ir.model import ExternalValues, external_info
 from mtkc.ir.model_checks import ExternalDataError, external_fields, external_size, open_external
+from mtkc.ir.weights import copy_range
 from mtkc.ir.outdir import check_graph_file, confined, load_table, read_manifest
 from mtkc.options import Layer, build
 from mtkc.runtime.sessions import Sessions
@@ -328,13 +329,8 @@ def _stream_npy(table: WeightTable, path: Path) -> bool:
         remaining = external_size(proto)
         with open_external(values.root, location) as src, open(path, "wb") as out:
             np.lib.format.write_array_header_1_0(out, {"descr": "<f4", "fortran_order": False, "shape": tuple(proto.dims)})
-            src.seek(offset)
-            while remaining:
-                block = src.read(min(16 << 20, remaining))
-                if not block:
-                    raise ExternalDataError("external data is truncated")
-                out.write(block)
-                remaining -= len(block)
+            out.flush()
+            copy_range(src.fileno(), out.fileno(), offset, remaining)  # in the kernel where it can
     except (ExternalDataError, OSError) as exc:
         raise InputError(f"{values.root / location}: tensor '{proto.name}': {exc}") from None
     return True
