@@ -98,6 +98,7 @@ def finish(graph: gs.Graph, root: Path | None = None) -> None:
     """onnxruntime's symbolic shape inference for what ONNX left non-static, when the inputs are static."""
     if not all(_static(t) for t in graph.inputs) or all(_static(t) for t in graph.tensors().values()):
         return
+    count("symbolic shape inferences")
     try:
         inferred = _symbolic_infer(stripped_proto(graph, root))
     except Exception as exc:  # it raises bare Exceptions on ops it cannot handle
