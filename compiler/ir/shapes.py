@@ -44,21 +44,31 @@ def infer(graph: gs.Graph, root: Path | None = None) -> None:
     """Infer dtype/shape of every variable of `graph` in place (weights are never read)."""
     count("shape inferences")
     small = _announced_ranges(graph) <= PROPAGATE_ELEMENTS  # data propagation computes them (2^40: never ends)
-    _onnx_infer(graph, root, small)
+    base = stripped_proto(graph, root)
+    _onnx_infer(graph, base, small)
     for _ in range(VALUE_ROUNDS):  # shape operands computed from the bound shapes, as constants
         if not all(_static(t) for t in graph.inputs) or all(_static(t) for t in graph.tensors().values()):
             break
         known = shape_values.known_values(graph)
         loose = sum(1 for t in graph.tensors().values() if not _static(t))
-        _onnx_infer(graph, root, small, known)
+        _onnx_infer(graph, _with_values(base, known), small, known)
         if sum(1 for t in graph.tensors().values() if not _static(t)) == loose:
             break
     finish(graph, root)
 
 
-def _onnx_infer(graph: gs.Graph, root: Path | None, data_prop: bool, known: dict[str, np.ndarray] | None = None) -> None:
-    """ONNX's inference on the stripped copy; `known`: node outputs it sees as constants of these values."""
-    proto = stripped_proto(graph, root, known or {})
+def _with_values(base: onnx.ModelProto, known: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """`base` (a stripped proto) with the nodes making `known` outputs replaced by initializers of their values."""
+    proto = onnx.ModelProto()
+    proto.CopyFrom(base)
+    del proto.graph.node[:]
+    proto.graph.node.extend(n for n in base.graph.node if not (n.output and n.output[0] in known))
+    proto.graph.initializer.extend(onnx.numpy_helper.from_array(v, name) for name, v in known.items())
+    return proto
+
+
+def _onnx_infer(graph: gs.Graph, proto: onnx.ModelProto, data_prop: bool, known: dict[str, np.ndarray] | None = None) -> None:
+    """ONNX's inference on a stripped copy of `graph`; `known`: node outputs it sees as constants of these values."""
     inferred = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=data_prop)
     infos = {vi.name: vi for vi in [*inferred.graph.value_info, *inferred.graph.output]}
     tensors = graph.tensors()
@@ -132,10 +142,8 @@ def _static(t: gs.Tensor) -> bool:
     return isinstance(t, gs.Constant) or (t.shape is not None and all(isinstance(d, int) for d in t.shape))
 
 
-def stripped_proto(graph: gs.Graph, root: Path | None = None,
-                   known: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
-    """A ModelProto of `graph` with big constants as typed inputs and ONNX-domain outputs untyped;
-    a node whose output is in `known` becomes an initializer of that value.
+def stripped_proto(graph: gs.Graph, root: Path | None = None) -> onnx.ModelProto:
+    """A ModelProto of `graph` with big constants as typed inputs and ONNX-domain outputs untyped.
 
     Built node by node from `graph` (no copy of the graph; nothing in it changes), in
     topological order: ONNX inference is one forward sweep in node order.
@@ -158,12 +166,7 @@ def stripped_proto(graph: gs.Graph, root: Path | None = None,
         else:
             typed_input(t.name, t)
 
-    known = known or {}
     for node in topo_order(graph):
-        if node.outputs and node.outputs[0].name in known:
-            initializers.append(onnx.numpy_helper.from_array(known[node.outputs[0].name], node.outputs[0].name))
-            done.add(node.outputs[0].name)
-            continue
         value = node.attrs.get("value")
         if node.op == "Constant" and _is_onnx(node) and isinstance(value, gs.Constant) and not _inline(value):
             if node.outputs:
