@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from onnx import TensorProto, helper
 
+from mtkc.errors import InputError
 from mtkc.ir import shape_values, shapes
 from mtkc.ir.model import load
 from mtkc.options import Options
@@ -93,3 +94,18 @@ def test_bound_shapes_equal_onnxruntimes_symbolic_inference(exported, monkeypatc
     assert not differ, list(differ.items())[:5]
     assert all(s[1] is not None and all(isinstance(d, int) for d in s[1]) for n, s in fast.items()
                if symbolic[n][1] is not None and all(isinstance(d, int) for d in symbolic[n][1]))
+
+
+def test_a_range_its_shape_operands_make_huge_is_refused_not_propagated(tmp_path):
+    """Range(0, Shape(x)[0] * 2^40): its bound is known once x is bound; inference must not spell it out."""
+    big = helper.make_tensor("big", TensorProto.INT64, [], [2**40])
+    zero = helper.make_tensor("zero", TensorProto.INT64, [], [0])
+    one = helper.make_tensor("one", TensorProto.INT64, [], [1])
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Gather", ["s", "zero"], ["n"], axis=0),
+             helper.make_node("Mul", ["n", "big"], ["limit"]), helper.make_node("Range", ["zero", "limit", "one"], ["r"])]
+    graph = gs.import_onnx(helper.make_model(helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("r", TensorProto.INT64, None)], [big, zero, one]),
+        opset_imports=[helper.make_opsetid("", 17)]))
+    with pytest.raises(InputError, match="Range.*at most 2\\^31"):
+        shapes.infer(graph)

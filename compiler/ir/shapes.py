@@ -51,6 +51,7 @@ def infer(graph: gs.Graph, root: Path | None = None) -> None:
             break
         known = shape_values.known_values(graph)
         loose = sum(1 for t in graph.tensors().values() if not _static(t))
+        small = _announced_ranges(graph, known) <= PROPAGATE_ELEMENTS  # bounds that are known now count too
         _onnx_infer(graph, _with_values(base, known), small, known)
         if sum(1 for t in graph.tensors().values() if not _static(t)) == loose:
             break
@@ -86,13 +87,20 @@ def _onnx_infer(graph: gs.Graph, proto: onnx.ModelProto, data_prop: bool, known:
         tensor.dtype, tensor.shape = value.dtype, list(value.shape)
 
 
-def _announced_ranges(graph: gs.Graph) -> int:
-    """Elements of the largest Range with constant bounds; InputError past MAX_ELEMENTS (nothing runs)."""
+def _announced_ranges(graph: gs.Graph, known: dict[str, np.ndarray] | None = None) -> int:
+    """Elements of the largest Range with constant (or `known`) bounds; InputError past MAX_ELEMENTS
+    (nothing runs)."""
+    known = known or {}
+
+    def bound(t: gs.Tensor) -> float | None:
+        value = known.get(t.name)
+        return float(value.reshape(-1)[0]) if value is not None and value.size == 1 else constants.scalar(t)
+
     largest = 0
     for node in graph.nodes:
         if node.op != "Range" or len(node.inputs) != 3:
             continue
-        bounds = [constants.scalar(t) for t in node.inputs]
+        bounds = [bound(t) for t in node.inputs]
         if None in bounds or bounds[2] == 0 or not all(math.isfinite(b) for b in bounds):
             continue
         start, limit, delta = bounds
