@@ -46,15 +46,15 @@ def infer(graph: gs.Graph, root: Path | None = None) -> None:
     small = _announced_ranges(graph) <= PROPAGATE_ELEMENTS  # data propagation computes them (2^40: never ends)
     base = stripped_proto(graph, root)
     _onnx_infer(graph, base, small)
-    for _ in range(VALUE_ROUNDS):  # shape operands computed from the bound shapes, as constants
-        if not all(_static(t) for t in graph.inputs) or all(_static(t) for t in graph.tensors().values()):
-            break
-        known = shape_values.known_values(graph)
+    before = None
+    for _ in range(VALUE_ROUNDS if all(_static(t) for t in graph.inputs) else 0):
         loose = sum(1 for t in graph.tensors().values() if not _static(t))
+        if not loose or loose == before:
+            break
+        before = loose  # shape operands computed from the bound shapes, as constants of one more sweep
+        known = shape_values.known_values(graph)
         small = _announced_ranges(graph, known) <= PROPAGATE_ELEMENTS  # bounds that are known now count too
         _onnx_infer(graph, _with_values(base, known), small, known)
-        if sum(1 for t in graph.tensors().values() if not _static(t)) == loose:
-            break
     finish(graph, root)
 
 
