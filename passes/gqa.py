@@ -27,6 +27,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc.display import escape
+from mtkc.errors import InputError
 from mtkc.ir.graph_utils import replace_uses, static_shape
 from mtkc.rewrite.builder import Emit
 from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
@@ -53,8 +55,13 @@ def _refusal(node: gs.Node, mask: gs.Tensor | None) -> str | None:
     a = node.attrs
     if a.get("rotary_interleaved", 0):
         return "interleaved rotary is not decomposed"
-    if a.get("local_window_size", -1) not in (-1, None) or a.get("softcap", 0.0) or a.get("smooth_softmax", 0):
-        return "local window, softcap or smooth softmax is not decomposed"
+    unsupported = [what for what, on in (
+        (f"local window {a.get('local_window_size')}" + (" on a window-sized cache (sliding_window_cache)"
+                                                          if a.get("sliding_window_cache", 0) else ""),
+         a.get("local_window_size", -1) not in (-1, None)),
+        (f"softcap {a.get('softcap', 0.0):g}", a.get("softcap", 0.0)), ("smooth softmax", a.get("smooth_softmax", 0))) if on]
+    if unsupported:
+        return f"{' and '.join(unsupported)} {'are' if len(unsupported) > 1 else 'is'} not decomposed"
     if _input(node, 10) is not None or _input(node, 11) is not None:
         return "attention_bias / head_sink is not decomposed"
     if _input(node, 3) is None or _input(node, 4) is None:
@@ -237,13 +244,16 @@ class GroupQueryAttentionPass(Pass):
             return result
         mask = _mask_input(graph)
         shared = None
-        for node in sites:
+        for layer, node in enumerate(sites):
             why = _refusal(node, mask)
             if why is None:
                 shared = shared or _Shared(graph, mask, ctx.options.max_positions)
                 why = _decompose(graph, node, shared)
             if why is None:
                 result.rewrites += 1
+            elif ctx.options.kv_cache and _input(node, 3) is not None:  # its cache would be lost
+                raise InputError(f"layer {layer}: GroupQueryAttention '{escape(node.name)}' (its cache inside the op): "
+                                 f"{why}, so mtkc cannot give it a static cache")
             else:
                 result.misses.append(Miss(node.name, why))
         self.added = bool(shared and shared.added)
