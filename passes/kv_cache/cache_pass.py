@@ -57,6 +57,7 @@ class KvCache(Pass):
                 if io.is_mask(t.name):
                     t.shape = additive_shape(graph, ctx)
         self.renames = _name_io(graph, layers)
+        ctx.renamed.update({new: old for old, new in self.renames.items()})
         rewrites = len(self.renames) + (self.implicit is not None) if not self.inserted else len(layers)
         return PassResult(rewrites=rewrites, notes=notes)
 
