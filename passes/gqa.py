@@ -24,12 +24,15 @@ window, softcap, smooth softmax, attention bias or head sink, no 2-D mask input,
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.display import escape
 from mtkc.errors import InputError
 from mtkc.ir.graph_utils import replace_uses, static_shape
+from mtkc.ir.outdir import read_json
 from mtkc.rewrite.builder import Emit
 from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 
@@ -224,6 +227,17 @@ def cache_inputs(graph: gs.Graph) -> dict[str, tuple[int, int]]:
     return found
 
 
+def _declared_window(root) -> int | None:
+    """The sliding window onnxruntime-genai's `genai_config.json` beside the model declares, if any."""
+    path = Path(root) / "genai_config.json" if root is not None else None
+    if path is None or not path.is_file():
+        return None
+    config = read_json(path, 1 << 20, "unreadable genai_config.json")
+    window = ((config.get("model") or {}).get("decoder") or {}).get("sliding_window") if isinstance(config, dict) else None
+    size = window.get("window_size") if isinstance(window, dict) else None
+    return size if isinstance(size, int) and size > 0 else None
+
+
 def _mask_input(graph: gs.Graph) -> gs.Variable | None:
     """The 2-D integer mask the op's seqlens_k / total_sequence_length are computed from."""
     return next((t for t in graph.inputs if t.dtype is not None and np.issubdtype(np.dtype(t.dtype), np.integer)
@@ -257,6 +271,11 @@ class GroupQueryAttentionPass(Pass):
             else:
                 result.misses.append(Miss(node.name, why))
         self.added = bool(shared and shared.added)
+        declared = _declared_window(ctx.root)
+        if declared and all(n.attrs.get("local_window_size", -1) in (-1, None) for n in sites):
+            result.notes.append(f"genai_config.json declares a sliding window of {declared}, but no GroupQueryAttention "
+                                "applies one (local_window_size -1): the export, and so these graphs, attend over the "
+                                "whole history, unlike the model (onnxruntime-genai's builder dropped its window)")
         return result
 
     def map_feeds(self, feeds: dict, ctx: Context) -> dict:
