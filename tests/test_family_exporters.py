@@ -181,3 +181,18 @@ def test_genai_mistral_says_its_window_was_dropped(capsys, exported, reference, 
     assert code == 0, err
     assert "genai_config.json declares a sliding window of 8, but no GroupQueryAttention applies one" in err
     assert Generator(out).generate(PROMPTS["short"], NEW) == reference("mistral", "genai-fp32", True, "short")
+
+
+def test_torchscript_long_rope_keeps_the_switch(exported, tiny_model):
+    """TorchScript exports Phi-3.5's long-rope (transformers' in-place inv_freq.copy_ was 'aten::copy'
+    at opset 17): the long/short switch stays in the graph, so onnxruntime equals torch on both sides
+    of original_max_position_embeddings (256)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(exported("phi35", "legacy17", cache=False)))
+    model = tiny_model("phi35")
+    for seq in (5, 300):
+        ids, mask = factory.trace_inputs(model.config, False, batch=1, seq=seq)
+        got = session.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0]
+        assert np.abs(got - factory.reference_logits(model, ids, mask)).max() < 1e-3, seq
