@@ -49,7 +49,8 @@ def variants(graph: gs.Graph, options: dict) -> list[Variant]:
     Layers and "has a cache" are the DecoderMap's (`mtkc.analysis.decoder`): a refused candidate
     is no layer; a layer whose k/v path reads a past input has a cache."""
     kv, dm = options.kv_cache, decoder_map(graph)
-    _refuse_unrecognised_cache(graph, dm)
+    if kv is not False:  # --no-kv-cache: the cache inputs stay inputs, as asked
+        _refuse_unrecognised_cache(graph, dm)
     if kv is None:
         kv = any(layer.past for layer in dm.layers)
     if not kv:
