@@ -135,6 +135,8 @@ def test_an_unrecognised_attention_reading_a_cache_is_refused(capsys, exported, 
             "but is not a decoder layer mtkc recognises: GroupQueryAttention '/model/layers.0/attn/GroupQueryAttention': "
             "no query projection") in err
     assert not (tmp_path / "out").exists()
+    code, _, err = mtkc(capsys, "compile", path, "--sdk", "8.0", "--seq-len", T, "--no-kv-cache", "-o", tmp_path / "flat")
+    assert code == 0, err  # asked for: the cache inputs stay inputs
 
 
 def test_input_shape_takes_the_models_cache_names(capsys, exported, tmp_path):
