@@ -198,3 +198,15 @@ def test_torchscript_long_rope_keeps_the_switch(exported, tiny_model):
         ids, mask = factory.trace_inputs(model.config, False, batch=1, seq=seq)
         got = session.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0]
         assert np.abs(got - factory.reference_logits(model, ids, mask)).max() < 1e-3, seq
+
+
+def test_cache_export_without_positions_gets_a_position_input(exported, tmp_path):
+    """Optimum's Gemma 2 (transformers 4.57) has a cache but no position_ids input: RoPE counted
+    positions from the past's length, which a static cache fixes at C (verify: tokens differed from
+    the export's own, cosine 0.24). The positions become an input; verify equals the export."""
+    out = tmp_path / "out"
+    compile_model(exported("gemma2", "optimum", cache=True), "8.0", out, {"seq_len": T, "cache_len": C})
+    decode = json.loads((out / "manifest.json").read_text())["graphs"][1]
+    assert "position_ids" in [i["name"] for i in decode["inputs"]]
+    result = V.verify(out, samples=1)
+    assert result.ok, V.format_text(result)
