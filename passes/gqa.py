@@ -82,17 +82,37 @@ def _head_size(node: gs.Node, heads: int, kv_heads: int) -> int | None:
         if width:
             return width if n is None else width // n
     cos = _input(node, 7)
-    if node.attrs.get("do_rotary", 0) and cos is not None and static_shape(cos):
-        return 2 * static_shape(cos)[1]
+    if node.attrs.get("do_rotary", 0) and cos is not None and _table_width(cos):
+        return 2 * _table_width(cos)
     return None
 
 
+def _table_width(cos: gs.Tensor) -> int | None:
+    """The cos cache's width R/2: its static shape's, or the If's branch constants' (the builder's
+    long/short RoPE switch, `[max_sequence_length, 'head_dim / 2']` as declared)."""
+    shape = static_shape(cos)
+    if shape:
+        return shape[1]
+    node = cos.inputs[0] if cos.inputs else None
+    if node is None or node.op != "If":
+        return None
+    out = node.outputs.index(cos)
+    widths = set()
+    for branch in (node.attrs.get("then_branch"), node.attrs.get("else_branch")):
+        made = branch.outputs[out].inputs[0] if branch is not None and branch.outputs[out].inputs else None
+        value = made.attrs.get("value") if made is not None and made.op == "Constant" else None
+        widths.add(value.shape[1] if isinstance(value, gs.Constant) and len(value.shape) == 2 else None)
+    return widths.pop() if len(widths) == 1 else None
+
+
 def _width(t: gs.Tensor) -> int | None:
-    """The last dim of `t`: its static shape's, or its MatMul(/Add bias) projection weight's."""
+    """The last dim of `t`: its static shape's, or its MatMul / MatMulNBits (/Add bias) projection's."""
     if t.shape and isinstance(t.shape[-1], int) and t.shape[-1] > 0:
         return t.shape[-1]
     node = t.inputs[0] if t.inputs else None
     for _ in range(2):
+        if node is not None and node.op == "MatMulNBits" and node.attrs.get("N"):
+            return int(node.attrs["N"])  # int4: the weight's output width is the op's attribute
         if node is None or node.op not in ("MatMul", "Add"):
             return None
         const = next((x for x in node.inputs if isinstance(x, gs.Constant)), None)
@@ -172,7 +192,7 @@ def _decompose(graph: gs.Graph, node: gs.Node, shared: _Shared) -> str | None:
         positions = _input(node, 9) or shared.positions
         tables = [e.op("Unsqueeze", [e.op("Gather", [shared.table(cache), positions], {"axis": 0}, dtype=f32),
                                      e.ints("ax", 1)], dtype=f32) for cache in (node.inputs[7], node.inputs[8])]
-        rot = 2 * static_shape(node.inputs[7])[1] if static_shape(node.inputs[7]) else d
+        rot = 2 * (_table_width(node.inputs[7]) or d // 2)
         q4, k4 = (_rotate(e, x, d, rot, *tables) for x in (q4, k4))
     presents = []
     for i, (past, new) in enumerate(((node.inputs[3], k4), (node.inputs[4], v4)), start=1):
