@@ -35,7 +35,16 @@ DEFAULT = [("qwen3", "genai-fp32", True), ("mistral", "hf", True), ("gemma2", "h
            ("llama3", "genai-fp32", True)]
 MORE = [(f, "hf", True) for f in ("qwen3", "phi3", "phi35", "phi4mini", "llama3")] \
     + [(f, "dynamo-cacheobj", True) for f in ("qwen3", "phi3", "phi35", "phi4mini", "llama3")] \
-    + [(f, "legacy14", False) for f in ("qwen3", "mistral", "gemma2", "gemma3", "phi3", "phi35", "llama3")]
+    + [(f, "legacy14", False) for f in ("qwen3", "mistral", "gemma2", "gemma3", "phi3", "phi35", "llama3")] \
+    + [(f, e, True) for f in ("qwen3", "phi3", "phi35", "phi4mini", "llama3") for e in ("dynamo", "legacy14")] \
+    + [(f, "legacy17", True) for f in ("phi35", "phi4mini")] \
+    + [(f, "optimum", True) for f in ("qwen3", "mistral", "phi3")] + [("qwen3", "genai-int4", True)]
+# Not here, with why (the closing note's table): the sliding families' TorchScript / dynamo cache exports
+# (cropped DynamicSlidingWindowLayer presents: refused naming the layer; dynamo with named Dims fails
+# itself, "Constraints violated (past_sequence_length)"); genai Gemma 2 (refused naming the layer), Gemma 3
+# (the builder: KeyError 'rope_type'), Mistral (the builder drops the window; og fails on the long prompt);
+# optimum's Gemma 2/3, Phi-3.5, Phi-4-mini, Llama 3 (the transformers 4.57 side venv reads no rope scaling
+# from a transformers 5 config, so those exports are another model; mtkc equals them: verify ok).
 CASES = [pytest.param(*c, id="-".join(c[:2])) for c in DEFAULT] \
     + [pytest.param(*c, id="-".join(c[:2]), marks=pytest.mark.slow) for c in MORE]
 
