@@ -37,7 +37,8 @@ Exporters (`export(model, out_dir, exporter, cache)`), as they behave with torch
   onnxruntime_genai.models.builder -p fp32|int4 -e cpu``) on the saved model: opset 21+, packed-QKV
   com.microsoft GroupQueryAttention (``do_rotary=1``, cos/sin caches, seqlens_k and
   total_sequence_length from the 2-D mask, past/present consumed by the op; head dim
-  ``kv_cache_dim``), (Skip)SimplifiedLayerNormalization; int4: MatMulNBits (block 32) and
+  ``kv_cache_dim``), (Skip)SimplifiedLayerNormalization (the saved config gets ``rope_parameters["type"]``
+  beside ``rope_type``: the builder's long-rope reads transformers 4's key); int4: MatMulNBits (block 32) and
   GatherBlockQuantized, with the builder's CPU default ``accuracy_level=4`` (onnxruntime quantises
   MatMulNBits' activations to int8 at run time). ``genai-int4-acc1``: the same weights with
   ``--extra_options accuracy_level=1`` (fp32 activations: what an exact int4-weight reference
@@ -125,7 +126,8 @@ def _tiny_family_config(family: str, layers: int | None, common: dict):
     alternating sliding/global layers, query_pre_attn_scalar != head_dim.  gemma3: 5 local : 1 global
     layers, local RoPE base 1e4 / global 1e6, q/k norm.  phi3: fused qkv and gate_up (Phi-3-mini-4k,
     default RoPE).  phi35: phi3 with long-rope (short factors: positions stay below
-    original_max_position_embeddings; TorchScript cannot export its factor switch, `aten::copy`).
+    original_max_position_embeddings; TorchScript exports its factor switch through
+    `_functional_longrope`).
     phi4mini: phi35 with partial rotary 0.75, tied.  llama3: llama3 rope scaling, tied.
     """
     from transformers import Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen3Config
@@ -368,10 +370,45 @@ def _export_legacy(model, path: Path, opset: int, cache: bool) -> None:
     wrapper = wrap(model, cache)
     n_layers = model.config.num_hidden_layers
     inputs, outputs = io_names(n_layers, cache)
-    with torch.no_grad():
+    with torch.no_grad(), _functional_longrope(model):
         torch.onnx.export(wrapper, trace_inputs(model.config, cache), str(path), dynamo=False,
                           opset_version=opset, input_names=inputs, output_names=outputs,
                           dynamic_axes=_dynamic_axes(n_layers, cache), do_constant_folding=True)
+
+
+@contextlib.contextmanager
+def _functional_longrope(model):
+    """Long-rope (Phi-3.5, Phi-4-mini) without the in-place buffer update TorchScript cannot export.
+
+    transformers picks the long or short inverse frequencies per call with
+    `inv_freq.copy_(where(max(position_ids) + 1 > original_max, long, short))`: TorchScript fails
+    with "Exporting the operator 'aten::copy' to ONNX opset version 17 is not supported". During the
+    export the rotary embedding computes the same `where` and uses it directly (the switch stays in
+    the graph; the buffer is left as it was), so the graph is the model's at every length."""
+    import torch
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rotary = model.model.rotary_emb
+    if getattr(rotary, "rope_type", None) != "longrope":
+        yield
+        return
+    plain = type(rotary).forward.__wrapped__  # the forward below transformers' frequency update
+    limit = rotary.config.rope_parameters["original_max_position_embeddings"]
+    long_inv, _ = ROPE_INIT_FUNCTIONS["longrope"](rotary.config, None, seq_len=limit + 1)
+    short_inv, buffer = rotary.original_inv_freq, rotary.inv_freq
+
+    def forward(x, position_ids):
+        rotary._buffers["inv_freq"] = torch.where(position_ids.max() + 1 > limit, long_inv, short_inv)
+        try:
+            return plain(rotary, x, position_ids)
+        finally:
+            rotary._buffers["inv_freq"] = buffer
+
+    rotary.forward = forward
+    try:
+        yield
+    finally:
+        del rotary.forward
 
 
 def _export_dynamo(model, path: Path, cache: bool) -> None:
@@ -453,11 +490,24 @@ def _export_genai(model, out_dir: Path, precision: str, accuracy: str = "") -> N
     with tempfile.TemporaryDirectory() as hf_dir:
         save_model(model, hf_dir)
         _word_tokenizer(model.config.vocab_size).save_pretrained(hf_dir)  # the builder loads one
+        _rope_type_key(Path(hf_dir) / "config.json")
         proc = subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", hf_dir, "-o", str(out_dir),
                                "-p", precision, "-e", "cpu", *(["--extra_options", f"accuracy_level={accuracy}"] if accuracy else [])],
                               capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"onnxruntime_genai.models.builder failed: {proc.stderr.strip()[-2000:]}")
+
+
+def _rope_type_key(config_path: Path) -> None:
+    """The builder's Phi-3 long-rope reads `rope_parameters["type"]` (transformers 4's key; 5 writes
+    `rope_type` only: KeyError 'type'): the same value under both keys."""
+    import json
+
+    config = json.loads(config_path.read_text())
+    rope = config.get("rope_parameters") or {}
+    if "rope_type" in rope:
+        rope.setdefault("type", rope["rope_type"])
+        config_path.write_text(json.dumps(config, indent=2))
 
 
 def _word_tokenizer(vocab_size: int):

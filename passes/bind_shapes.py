@@ -107,10 +107,11 @@ class BindShapes(Pass):
     def run(self, graph, ctx: Context) -> PassResult:
         result = PassResult()
         self.removed = keep_all_logits(graph, result)
-        explicit = dict(ctx.options.input_shapes or {})
+        current = {ctx.model_name(t.name): t.name for t in graph.inputs}  # kv-cache renamed the cache I/O
+        explicit = {current.get(k, k): v for k, v in (ctx.options.input_shapes or {}).items()}
         unknown = sorted(set(explicit) - {t.name for t in graph.inputs})
         if unknown:
-            raise InputError(f"--input-shape: the model has no input '{unknown[0]}'")
+            raise InputError(f"--input-shape: the model has no input '{ctx.model_name(unknown[0])}'")
         heads = _head_dims(graph, ctx)
         past = has_past(graph) or bool(heads)
         if ctx.options.cache_len and not past:
@@ -123,9 +124,9 @@ class BindShapes(Pass):
             if t.name in explicit:
                 dims = list(explicit[t.name])
                 if len(dims) != len(shape) and shape:
-                    raise InputError(f"--input-shape {t.name}: {len(dims)} dims given, the input has rank {len(shape)}")
+                    raise InputError(f"--input-shape {ctx.model_name(t.name)}: {len(dims)} dims given, the input has rank {len(shape)}")
                 for d, v in zip(shape, dims):
-                    _check_static(t.name, d, v, "--input-shape")
+                    _check_static(ctx.model_name(t.name), d, v, "--input-shape")
                     if _symbol(d):
                         _learn(symbols, d, v, t.name)
                 result.rewrites += sum(1 for d in shape if not _static(d))
@@ -159,7 +160,7 @@ class BindShapes(Pass):
                 if value is None and _symbol(d):
                     value = symbols.get(str(d))
                 if value is None:
-                    hint = OPTION_OF_ROLE.get(role, f"--input-shape {t.name}=...")
+                    hint = OPTION_OF_ROLE.get(role, f"--input-shape {ctx.model_name(t.name)}=...")
                     result.misses.append(Miss(t.name, f"axis {axis} '{d}' is not bound: pass {hint}"))
                     continue
                 shape[axis] = value

@@ -2,6 +2,7 @@
 
     Constant(value=...)                       -> the constant tensor itself
     Shape(x) / Size(x), x static-shaped       -> int64 constant (start/end honoured)
+    If(constant condition)                    -> the taken branch's nodes
     op(c0, c1, ...), every input constant     -> constant outputs, computed by onnxruntime
       (Gather/Unsqueeze/Concat/Slice/Range/ConstantOfShape/Expand/Cast/Reshape/Equal/Where/
        Add/Mul/... -- any deterministic ONNX-domain op without subgraphs)
@@ -49,7 +50,8 @@ class Fold(Pass):
         result = PassResult()
         for _ in range(MAX_ROUNDS):
             misses: list[Miss] = []
-            n = fold_constant_nodes(graph, misses) + fold_shapes(graph, misses) + fold_subgraphs(graph, ctx, misses)
+            n = (fold_constant_nodes(graph, misses) + fold_shapes(graph, misses) + fold_branches(graph)
+                 + fold_subgraphs(graph, ctx, misses))
             if n == 0:
                 result.misses = misses
                 break
@@ -77,6 +79,25 @@ def fold_constant_nodes(graph: gs.Graph, misses: list[Miss]) -> int:
         node.outputs.clear()
         out.to_constant(value)
         n += 1
+    return n
+
+
+def fold_branches(graph: gs.Graph) -> int:
+    """If with a constant condition -> the taken branch's nodes in its place (onnxruntime-genai's
+    long/short RoPE cache switch on the total length, constant once the lengths are bound)."""
+    n = 0
+    for node in list(graph.nodes):
+        if node.op != "If" or not _onnx(node) or not isinstance(node.inputs[0], gs.Constant):
+            continue
+        branch = node.attrs["then_branch" if bool(np.asarray(node.inputs[0].values).ravel()[0]) else "else_branch"]
+        graph.nodes.extend(branch.nodes)  # outer-scope tensors are the outer graph's own objects
+        outs = list(node.outputs)
+        node.outputs.clear()
+        for old, new in zip(outs, branch.outputs):
+            gu.replace_uses(graph, old, new)
+        n += 1
+    if n:
+        toposort(graph)
     return n
 
 

@@ -24,10 +24,15 @@ window, softcap, smooth softmax, attention bias or head sink, no 2-D mask input,
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc.display import escape
+from mtkc.errors import InputError
 from mtkc.ir.graph_utils import replace_uses, static_shape
+from mtkc.ir.outdir import read_json
 from mtkc.rewrite.builder import Emit
 from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 
@@ -53,8 +58,13 @@ def _refusal(node: gs.Node, mask: gs.Tensor | None) -> str | None:
     a = node.attrs
     if a.get("rotary_interleaved", 0):
         return "interleaved rotary is not decomposed"
-    if a.get("local_window_size", -1) not in (-1, None) or a.get("softcap", 0.0) or a.get("smooth_softmax", 0):
-        return "local window, softcap or smooth softmax is not decomposed"
+    unsupported = [what for what, on in (
+        (f"local window {a.get('local_window_size')}" + (" on a window-sized cache (sliding_window_cache)"
+                                                          if a.get("sliding_window_cache", 0) else ""),
+         a.get("local_window_size", -1) not in (-1, None)),
+        (f"softcap {a.get('softcap', 0.0):g}", a.get("softcap", 0.0)), ("smooth softmax", a.get("smooth_softmax", 0))) if on]
+    if unsupported:
+        return f"{' and '.join(unsupported)} {'are' if len(unsupported) > 1 else 'is'} not decomposed"
     if _input(node, 10) is not None or _input(node, 11) is not None:
         return "attention_bias / head_sink is not decomposed"
     if _input(node, 3) is None or _input(node, 4) is None:
@@ -72,17 +82,37 @@ def _head_size(node: gs.Node, heads: int, kv_heads: int) -> int | None:
         if width:
             return width if n is None else width // n
     cos = _input(node, 7)
-    if node.attrs.get("do_rotary", 0) and cos is not None and static_shape(cos):
-        return 2 * static_shape(cos)[1]
+    if node.attrs.get("do_rotary", 0) and cos is not None and _table_width(cos):
+        return 2 * _table_width(cos)
     return None
 
 
+def _table_width(cos: gs.Tensor) -> int | None:
+    """The cos cache's width R/2: its static shape's, or the If's branch constants' (the builder's
+    long/short RoPE switch, `[max_sequence_length, 'head_dim / 2']` as declared)."""
+    shape = static_shape(cos)
+    if shape:
+        return shape[1]
+    node = cos.inputs[0] if cos.inputs else None
+    if node is None or node.op != "If":
+        return None
+    out = node.outputs.index(cos)
+    widths = set()
+    for branch in (node.attrs.get("then_branch"), node.attrs.get("else_branch")):
+        made = branch.outputs[out].inputs[0] if branch is not None and branch.outputs[out].inputs else None
+        value = made.attrs.get("value") if made is not None and made.op == "Constant" else None
+        widths.add(value.shape[1] if isinstance(value, gs.Constant) and len(value.shape) == 2 else None)
+    return widths.pop() if len(widths) == 1 else None
+
+
 def _width(t: gs.Tensor) -> int | None:
-    """The last dim of `t`: its static shape's, or its MatMul(/Add bias) projection weight's."""
+    """The last dim of `t`: its static shape's, or its MatMul / MatMulNBits (/Add bias) projection's."""
     if t.shape and isinstance(t.shape[-1], int) and t.shape[-1] > 0:
         return t.shape[-1]
     node = t.inputs[0] if t.inputs else None
     for _ in range(2):
+        if node is not None and node.op == "MatMulNBits" and node.attrs.get("N"):
+            return int(node.attrs["N"])  # int4: the weight's output width is the op's attribute
         if node is None or node.op not in ("MatMul", "Add"):
             return None
         const = next((x for x in node.inputs if isinstance(x, gs.Constant)), None)
@@ -162,7 +192,7 @@ def _decompose(graph: gs.Graph, node: gs.Node, shared: _Shared) -> str | None:
         positions = _input(node, 9) or shared.positions
         tables = [e.op("Unsqueeze", [e.op("Gather", [shared.table(cache), positions], {"axis": 0}, dtype=f32),
                                      e.ints("ax", 1)], dtype=f32) for cache in (node.inputs[7], node.inputs[8])]
-        rot = 2 * static_shape(node.inputs[7])[1] if static_shape(node.inputs[7]) else d
+        rot = 2 * (_table_width(node.inputs[7]) or d // 2)
         q4, k4 = (_rotate(e, x, d, rot, *tables) for x in (q4, k4))
     presents = []
     for i, (past, new) in enumerate(((node.inputs[3], k4), (node.inputs[4], v4)), start=1):
@@ -217,6 +247,17 @@ def cache_inputs(graph: gs.Graph) -> dict[str, tuple[int, int]]:
     return found
 
 
+def _declared_window(root) -> int | None:
+    """The sliding window onnxruntime-genai's `genai_config.json` beside the model declares, if any."""
+    path = Path(root) / "genai_config.json" if root is not None else None
+    if path is None or not path.is_file():
+        return None
+    config = read_json(path, 1 << 20, "unreadable genai_config.json")
+    window = ((config.get("model") or {}).get("decoder") or {}).get("sliding_window") if isinstance(config, dict) else None
+    size = window.get("window_size") if isinstance(window, dict) else None
+    return size if isinstance(size, int) and size > 0 else None
+
+
 def _mask_input(graph: gs.Graph) -> gs.Variable | None:
     """The 2-D integer mask the op's seqlens_k / total_sequence_length are computed from."""
     return next((t for t in graph.inputs if t.dtype is not None and np.issubdtype(np.dtype(t.dtype), np.integer)
@@ -237,16 +278,24 @@ class GroupQueryAttentionPass(Pass):
             return result
         mask = _mask_input(graph)
         shared = None
-        for node in sites:
+        for layer, node in enumerate(sites):
             why = _refusal(node, mask)
             if why is None:
                 shared = shared or _Shared(graph, mask, ctx.options.max_positions)
                 why = _decompose(graph, node, shared)
             if why is None:
                 result.rewrites += 1
+            elif ctx.options.kv_cache and _input(node, 3) is not None:  # its cache would be lost
+                raise InputError(f"layer {layer}: GroupQueryAttention '{escape(node.name)}' (its cache inside the op): "
+                                 f"{why}, so mtkc cannot give it a static cache")
             else:
                 result.misses.append(Miss(node.name, why))
         self.added = bool(shared and shared.added)
+        declared = _declared_window(ctx.root)
+        if declared and all(n.attrs.get("local_window_size", -1) in (-1, None) for n in sites):
+            result.notes.append(f"genai_config.json declares a sliding window of {declared}, but no GroupQueryAttention "
+                                "applies one (local_window_size -1): the export, and so these graphs, attend over the "
+                                "whole history, unlike the model (onnxruntime-genai's builder dropped its window)")
         return result
 
     def map_feeds(self, feeds: dict, ctx: Context) -> dict:

@@ -43,6 +43,7 @@ from mtkc.rewrite.rules import Rule, RulePass, apply
 from mtkc.passes import mask_window
 
 NAME = io.ATTENTION_MASK
+_QDQ = ("QuantizeLinear", "DequantizeLinear")
 
 
 def _mask_input(graph: gs.Graph) -> gs.Variable | None:
@@ -133,7 +134,7 @@ class Site(Rule):
         for k, (tensor, _) in masks.items():
             if tensor.name in found.refused:
                 self.found[k] = Miss(sites[k][0].name, f"its mask is neither causal nor a sliding window: "
-                                                      f"{found.refused[tensor.name]}")
+                                                      f"{found.refused[tensor.name]}{_infinite_scale(tensor)}")
             else:
                 windows[k] = found.windows.get(tensor.name)
         return windows
@@ -291,8 +292,11 @@ def implicit_mask(graph: gs.Graph, ctx: Context, span: int | None = None) -> Imp
 
 
 def _site(softmax: gs.Node, derived: set[int], mask: str):
-    """(Add, index of its mask input) or (Where(cond, scores, -big), 0) feeding `softmax`, else a Miss."""
+    """(Add, index of its mask input) or (Where(cond, scores, -big), 0) feeding `softmax` (through the
+    Q/DQ pair a QDQ model puts on every activation), else a Miss."""
     site = softmax.inputs[0].inputs[0] if softmax.inputs[0].inputs else None
+    while site is not None and site.op in _QDQ:
+        site = site.inputs[0].inputs[0] if site.inputs[0].inputs else None
     if site is not None and site.op == "Add":
         masked = [i for i, t in enumerate(site.inputs) if id(t) in derived]
         if len(masked) == 1:
@@ -303,6 +307,17 @@ def _site(softmax: gs.Node, derived: set[int], mask: str):
             return site, 0
         return Miss(site.name, f"Where condition does not derive from '{mask}'")
     return Miss(softmax.name, f"Softmax input is not an Add or a Where ({site.op if site else 'none'})")
+
+
+def _infinite_scale(mask: gs.Tensor) -> str:
+    """Why a QDQ model's mask is no mask: its DequantizeLinear's scale is not finite (calibrated on
+    the mask's finfo.min range, the scale overflowed), so it is NaN where visible and -inf where not."""
+    node = mask.inputs[0] if mask.inputs else None
+    scale = small_values(node.inputs[1]) if node is not None and node.op == "DequantizeLinear" else None
+    if scale is None or np.isfinite(scale).all():
+        return ""
+    return (f" (DequantizeLinear '{node.name}' has scale {scale.ravel()[0]}: the quantised mask is NaN/-inf, so the "
+            "model's own attention is; quantise without the mask, e.g. nodes_to_exclude)")
 
 
 def _guards(graph: gs.Graph, derived: set[int]) -> list[tuple[gs.Node, gs.Tensor]]:

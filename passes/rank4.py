@@ -8,7 +8,8 @@ GQA repeat_kv is the case every Qwen/Llama export has:
 
 Generic rule: a *region* is a connected set of rank-r (r >= 5) tensors with
   entries   Unsqueeze/Reshape from rank <= 4          -> Reshape to the merged shape
-  interior  Expand, Tile, elementwise ops (broadcast) -> same op on merged shapes
+  interior  Expand, Tile, elementwise ops (broadcast),  -> same op on merged shapes
+            per-tensor Quantize/DequantizeLinear (QDQ models)
   exits     Reshape/Squeeze/Flatten to rank <= 4      -> Reshape from the merged shape
 Axes (i, i+1) merge when every interior node broadcasts/tiles them together (both equal to the
 output, or both 1, or one output dim 1); pairs are tried trailing first, then leading. Merging
@@ -30,6 +31,7 @@ from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 ELEMENTWISE = {"Add", "Sub", "Mul", "Div", "Pow", "Where", "Max", "Min", "Equal", "Less", "LessOrEqual", "Greater",
                "GreaterOrEqual", "And", "Or", "Xor", "Not", "Neg", "Cast", "Sigmoid", "Tanh", "Exp", "Sqrt", "Abs",
                "Reciprocal", "Relu", "Erf", "Identity", "IsNaN", "Sin", "Cos", "Mod"}
+QDQ = {"QuantizeLinear", "DequantizeLinear"}  # a QDQ model's Q/DQ on each activation, per-tensor
 ENTRIES = {"Unsqueeze", "Reshape"}
 EXITS = {"Reshape", "Squeeze", "Flatten"}
 MAX_RANK = 4
@@ -121,6 +123,8 @@ class Region:
             return "tile"
         if node.op in ELEMENTWISE:
             return "elementwise"
+        if node.op in QDQ and all(isinstance(t, gs.Constant) and t.values.size == 1 for t in node.inputs[1:]):
+            return "qdq"  # per-tensor: shape-agnostic, like an elementwise op with scalar operands
         return None
 
     def mergeable_pair(self) -> tuple[int, int] | None:
@@ -132,7 +136,7 @@ class Region:
 
     def _merges(self, node: gs.Node, i: int) -> bool:
         kind = self.kind(node)
-        if kind in ("entry", "exit"):
+        if kind in ("entry", "exit", "qdq"):
             return True
         out = gu.static_shape(node.outputs[0])
         if kind == "tile":

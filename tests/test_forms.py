@@ -216,6 +216,54 @@ def test_qdq_with_a_cache_is_split_like_its_float_twin(capsys, qdq_cache, tmp_pa
     assert code == 2 and "input 'past_key_values.0.key' is none the runtime feeds" in err, err
 
 
+@pytest.fixture(scope="module")
+def qdq_cache_float_mask(exported, tmp_path_factory):
+    """`quantize_static` (QDQ) of the tiny qwen2 cache export with the mask's Where and Add left float
+    (`nodes_to_exclude`): the calibrated range of a finfo.min mask overflows the scale to inf."""
+    import logging
+    import warnings
+
+    import onnx
+    from onnxruntime.quantization import QuantFormat, quantize_static
+
+    source = exported("qwen2", "legacy17", cache=True)
+    model = onnx.load(source, load_external_data=False)
+    producer = {o: n for n in model.graph.node for o in n.output}
+    sites = [producer[n.input[0]] for n in model.graph.node if n.op_type == "Softmax"]
+    exclude = [s.name for s in sites] + [producer[i].name for s in sites for i in s.input
+                                         if i in producer and producer[i].op_type == "Where"]
+    path = tmp_path_factory.mktemp("qdq-cache-float-mask") / "model.onnx"
+    level = logging.getLogger().level
+    logging.getLogger().setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            quantize_static(str(source), str(path), _CacheReader(), quant_format=QuantFormat.QDQ, nodes_to_exclude=exclude)
+    finally:
+        logging.getLogger().setLevel(level)
+    return path
+
+
+def test_qdq_with_a_cache_runs_every_node_on_the_npu(capsys, qdq_cache_float_mask, qdq_cache, tmp_path):
+    """The mask site seen through the scores' Q/DQ (the mask becomes the additive input) and repeat_kv's
+    rank-5 Q/DQ merged by rank4: SDK 8.0 puts every node on the NPU and verify equals the QDQ export.
+    With the mask itself quantised (scale inf: NaN where visible), the mask stays, and the pass says why."""
+    from mtkc.pipeline.compile import compile_model
+
+    out = tmp_path / "out"
+    code, _, err = mtkc(capsys, "compile", qdq_cache_float_mask, "--sdk", "8.0", "--seq-len", 8, "--cache-len", 64,
+                        "-o", out)
+    assert code == 0, err
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert {g["name"]: [p["target"] for p in g["partitions"]] for g in manifest["graphs"]} == \
+        {"prefill": ["npu"], "decode": ["npu"]}
+    code, stdout, err = mtkc(capsys, "verify", out, "--samples", 1)
+    assert code == 0, stdout + err
+    result = compile_model(qdq_cache, "8.0", tmp_path / "inf", {"seq_len": 8, "cache_len": 64})
+    misses = [m.reason for r in result.records if r.name == "mask" for m in r.misses]
+    assert misses and all("has scale inf: the quantised mask is NaN/-inf" in m for m in misses), misses
+
+
 def test_ort_optimised_graph_without_a_domain_import_is_accepted(capsys, exported, tiny_model, tmp_path):
     """An ORT-optimised export (com.microsoft fused norms) whose opset imports lack com.microsoft
     (Olive writes these; onnxruntime runs them) checks, compiles, verifies and generates transformers' tokens."""

@@ -37,7 +37,7 @@ _SCORE_PATH = {"Add", "Where", "Mul", "Div", "Tanh", "Cast", "Sub", "Identity", 
 _PROB_PATH = {"Cast", "Where", "IsNaN", "Identity", "Dropout", "Reshape", *_QDQ}
 _LAYOUT = {"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Identity", "Cast", "Tile", "Concat",
            "Mul", "Div", "Add", "Sub", "Neg", "Slice", "Split", "RotaryEmbedding", "Gather",
-           "DequantizeLinear", "QuantizeLinear"}
+           "DequantizeLinear", "QuantizeLinear", *NORMS}  # NORMS: per-head q/k norm (Qwen3, Gemma 3) as one op
 _ALL_INPUTS = {"Concat", "Mul", "Div", "Add", "Sub", "RotaryEmbedding"}  # other layout ops: data input 0 only
 _OUT_PATH = {"Transpose", "Reshape", "Cast", "Identity", "Squeeze", "Unsqueeze", "Where"}
 _GLU = {"Sigmoid": "SwiGLU", "QuickGelu": "SwiGLU", "Swish": "SwiGLU", "Erf": "GeGLU", "Gelu": "GeGLU",

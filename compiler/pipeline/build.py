@@ -21,7 +21,7 @@ from typing import Callable
 import onnx_graphsurgeon as gs
 
 from mtkc.backend.stitch import Split, split
-from mtkc.display import Progress
+from mtkc.display import Progress, escape
 from mtkc.errors import InputError
 from mtkc.ir import shapes
 from mtkc.ir.counts import count
@@ -150,7 +150,7 @@ def compile_graph(model: Model, options: Options, table, observe=None, label: st
 
         records = run_pipeline(model.graph, pipeline, ctx, verify_each=options.verify_each, observe=step)
     if any(p.name == "bind-shapes" for p in pipeline.passes):
-        _require_static(model.graph)
+        _require_static(model.graph, ctx)
     final = assess(model.graph, table, model.graph.opset, model.values) if isinstance(table, Table) else None
     return Compiled(model, ctx, pipeline, records, final and final.coverage)
 
@@ -188,10 +188,13 @@ def llm_defaults(graph: gs.Graph, options: Options) -> dict[str, int]:
     return {key: LLM_DEFAULTS[key] for key, want in wanted.items() if want and getattr(options, key) is None}
 
 
-def _require_static(graph: gs.Graph) -> None:
-    """A bound graph has static inputs: a dim no option names is an error naming it."""
+def _require_static(graph: gs.Graph, ctx: Context) -> None:
+    """A bound graph has static inputs: a dim no option names is an error naming the model's input
+    (not the name a pass gave it: --input-shape takes the model's)."""
     for t in graph.inputs:
         dims = [d for d in t.shape or () if not isinstance(d, int)]
         if dims:
-            raise InputError(f"input '{t.name}': dim '{dims[0]}' is still dynamic after binding; "
-                             f"bind it with --input-shape {t.name}=D0,D1,...")
+            name = ctx.model_name(t.name)
+            called = f" ({t.name} in the compiled graph)" if name != t.name else ""
+            raise InputError(f"input '{escape(name)}'{called}: dim '{dims[0]}' is still dynamic after binding; "
+                             f"bind it with --input-shape {escape(name)}=D0,D1,...")

@@ -77,8 +77,8 @@ def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.Pat
     for key, why in result.picked.items():
         log.info("mtkc: picked %s=%s (set --%s to choose)", key, why, key.replace("_", "-"))
     variants, options = result.variants, result.options
-    for note in (n for r in variants[0].compiled.records if r.name == "bind-shapes" for n in r.notes):
-        log.info("mtkc: %s", note)  # inputs the binding removed or options it ignored
+    for note in (n for r in variants[0].compiled.records if r.name in ("bind-shapes", "gqa") for n in r.notes):
+        log.info("mtkc: %s", note)  # inputs the binding removed, options it ignored, a window the export dropped
     tables: dict = {}
     for v in variants:
         for key, value in host_tables(v.compiled.records, v.compiled.model.values).items():

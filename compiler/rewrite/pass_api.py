@@ -112,6 +112,11 @@ class Context:
     root: Path | None = None  # folder of the source model's external data
     read_values: Callable[[gs.Constant], Any] | None = None
     analyses: Analyses = field(default_factory=Analyses, repr=False, compare=False)
+    renamed: dict[str, str] = field(default_factory=dict)  # graph input name a pass gave -> the model's name
+
+    def model_name(self, name: str) -> str:
+        """The model's own name of graph input `name` (what a user can pass to --input-shape)."""
+        return self.renamed.get(name, name)
 
     def __post_init__(self) -> None:
         self.options = options_of(self.options)

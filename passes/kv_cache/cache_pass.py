@@ -23,7 +23,8 @@ from mtkc.contract import mask as contract_mask
 from mtkc.errors import InputError
 from mtkc.passes.gqa import cache_inputs
 from mtkc.passes.kv_cache.detect import KINDS, LayerCache, find_caches
-from mtkc.passes.kv_cache.insert import insert_cache, probe_shapes
+from mtkc.ir.graph_utils import Names as NodeNames
+from mtkc.passes.kv_cache.insert import insert_cache, position_input, probe_shapes
 from mtkc.passes.kv_cache.plan import DEFAULT_CACHE_LEN, kv_on
 from mtkc.passes.mask import additive_shape, implicit_mask
 from mtkc.rewrite.pass_api import Context, Pass, PassResult, register
@@ -43,11 +44,18 @@ class KvCache(Pass):
         notes = []
         self.inserted: dict[str, list] = {}  # no-cache export: new past inputs -> [Hkv, D]
         self.implicit = None
+        self.positions = False  # a position_ids input made for the RoPE of a cache export without one
         if layers:
             _bind_head_dims(graph, layers, ctx)
             self.implicit = implicit_mask(graph, ctx)
             if self.implicit is not None:
                 notes.append(f"no mask input: the mask built from shapes alone became input '{self.implicit.name}'")
+            if not any(t.name == "position_ids" for t in graph.inputs):
+                position_input(graph, NodeNames(graph), probe_shapes(graph, ctx.root))
+                self.positions = any(t.name == "position_ids" for t in graph.inputs)
+                if self.positions:
+                    notes.append("no position input: RoPE's positions, counted from the past's length (fixed at "
+                                 "--cache-len in a static cache), became input 'position_ids'")
         else:
             _require_mask_early(graph)
             layers = insert_cache(graph, ctx.root)
@@ -57,6 +65,7 @@ class KvCache(Pass):
                 if io.is_mask(t.name):
                     t.shape = additive_shape(graph, ctx)
         self.renames = _name_io(graph, layers)
+        ctx.renamed.update({new: old for old, new in self.renames.items()})
         rewrites = len(self.renames) + (self.implicit is not None) if not self.inserted else len(layers)
         return PassResult(rewrites=rewrites, notes=notes)
 
@@ -64,6 +73,10 @@ class KvCache(Pass):
         """Renamed cache inputs; a no-cache export gets an empty cache (all slots masked in
         mask-early's additive mask) and positions 0..T-1."""
         feeds = {self.renames.get(k, k): v for k, v in feeds.items()}
+        if self.positions:  # what the export counted: past length + 0..S-1
+            ids = next(v for k, v in feeds.items() if k in ("input_ids", "hidden_states"))
+            past = next(np.shape(v)[2] for k, v in feeds.items() if k.startswith("past_"))
+            feeds["position_ids"] = np.arange(past, past + ids.shape[1], dtype=np.int64)[None]
         if self.implicit is not None:
             feeds = self.implicit.map_feeds(feeds, ctx)
         if not self.inserted:

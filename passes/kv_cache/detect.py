@@ -129,7 +129,7 @@ def find_caches(graph: gs.Graph) -> list[LayerCache]:
             continue
         concat = cache_concat(tensor)
         if concat is None or cache_output(concat, graph.outputs) is None:
-            _refuse_cropped(tensor, outputs)
+            _refuse_cropped(graph, tensor, outputs)
             continue
         use = _attention_use(concat.outputs[0])
         if use is None:
@@ -152,7 +152,7 @@ def find_caches(graph: gs.Graph) -> list[LayerCache]:
     return layers
 
 
-def _refuse_cropped(past: gs.Tensor, outputs: set[int]) -> None:
+def _refuse_cropped(graph: gs.Graph, past: gs.Tensor, outputs: set[int]) -> None:
     """A present that is the concat's last entries only (`Slice(concat, -W+1:)` on the sequence axis,
     the past sliced the same way: transformers' DynamicSlidingWindowLayer of sliding-window layers)
     is a cache mtkc cannot make static as exported: refused with the layer's tensors named and the
@@ -160,11 +160,14 @@ def _refuse_cropped(past: gs.Tensor, outputs: set[int]) -> None:
     concat = cache_concat(past, _COPIES + ("Slice",))
     for node in concat.outputs[0].outputs if concat is not None else []:
         if node.op == "Slice" and node.outputs and id(node.outputs[0]) in outputs:
-            raise InputError(f"cache input '{escape(past.name)}': its present '{escape(node.outputs[0].name)}' keeps "
+            use = _attention_use(concat.outputs[0])
+            softmaxes = [n for n in graph.nodes if n.op == "Softmax" or n.op in ATTENTION_OPS]
+            layer = f"layer {softmaxes.index(use[1])} attention: " if use is not None and use[1] in softmaxes else ""
+            raise InputError(f"{layer}cache input '{escape(past.name)}': its present '{escape(node.outputs[0].name)}' keeps "
                              f"only the last entries of Concat '{escape(concat.name)}' (a sliding-window layer's "
                              "cropped cache, transformers' DynamicSlidingWindowLayer); mtkc keeps a static cache "
                              "of --cache-len entries and masks the window: export without cache I/O and compile "
-                             "with --kv-cache")
+                             "with --kv-cache, or with transformers' exporter (its presents keep every entry)")
 
 
 def layer_caches(graph: gs.Graph) -> list[LayerCache]:

@@ -85,7 +85,7 @@ def insert_cache(graph: gs.Graph, root=None) -> list[LayerCache]:
             _free_kv_length(full, probe, names)
             layer.past[kind], layer.concat[kind] = past, concat
         layers.append(layer)
-    _position_input(graph, names, probe)
+    position_input(graph, names, probe)
     return layers
 
 
@@ -166,8 +166,9 @@ def _scalar(tensor: gs.Tensor) -> bool:
     return isinstance(tensor, gs.Constant) or (tensor.shape is not None and all(d == 1 for d in tensor.shape))
 
 
-def _position_input(graph: gs.Graph, names: NodeNames, probe: dict[str, list]) -> None:
-    """Feed cos/sin from a `position_ids [batch, seq]` input instead of Range(0, seq).
+def position_input(graph: gs.Graph, names: NodeNames, probe: dict[str, list]) -> None:
+    """Feed cos/sin from a `position_ids [batch, seq]` input instead of Range(0, seq) -- or, in a
+    cache export without a position input, Range(past, past + seq), which a static cache would fix at C.
 
     Only the rotary-only region (nodes whose every use leads to Cos/Sin) is rewired: the mask
     construction that shares the Range keeps it, so the mask pass still sees a mask-only subgraph.

@@ -16,6 +16,7 @@ import onnx_graphsurgeon as gs
 
 from mtkc.analysis.decoder import decoder_map
 from mtkc.contract import cache as layouts
+from mtkc.display import escape
 from mtkc.errors import InputError
 
 DEFAULT_SEQ_LEN = layouts.DEFAULT_SEQ_LEN
@@ -48,6 +49,8 @@ def variants(graph: gs.Graph, options: dict) -> list[Variant]:
     Layers and "has a cache" are the DecoderMap's (`mtkc.analysis.decoder`): a refused candidate
     is no layer; a layer whose k/v path reads a past input has a cache."""
     kv, dm = options.kv_cache, decoder_map(graph)
+    if kv is not False:  # --no-kv-cache: the cache inputs stay inputs, as asked
+        _refuse_unrecognised_cache(graph, dm)
     if kv is None:
         kv = any(layer.past for layer in dm.layers)
     if not kv:
@@ -71,6 +74,18 @@ def variants(graph: gs.Graph, options: dict) -> list[Variant]:
             out.append(Variant(name, {"kv_cache": True, "variant": variant, "seq_len": t, "cache_len": cache_len,
                                       "cache_io": cache_io, "chunks": chunks, "chunk": k, "max_positions": max_pos}))
     return out
+
+
+def _refuse_unrecognised_cache(graph: gs.Graph, dm) -> None:
+    """An attention that reads a cache input but is no layer the DecoderMap recognises would leave
+    that cache as a plain input of one static graph: refused, naming the attention and why."""
+    refused = next((x for x in dm.refused if x.past), None)
+    if refused is None:
+        return
+    anchors = [n.name for n in graph.nodes if n.name in {x.anchor for x in dm.layers + dm.refused}]
+    raise InputError(f"layer {anchors.index(refused.anchor)} (attention '{escape(refused.anchor)}') reads cache input "
+                     f"'{escape(next(iter(refused.past.values())))}' but is not a decoder layer mtkc recognises: "
+                     f"{escape(refused.refused)}")
 
 
 def kv_on(options: dict) -> bool:
