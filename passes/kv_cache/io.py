@@ -31,6 +31,7 @@ class KvCacheIo(Pass):
     def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
         t, c, mode = cache_options(ctx.options)
         outputs = {o.name: o for o in graph.outputs}
+        position = {o.name: i for i, o in enumerate(graph.outputs)}  # list.index per layer is quadratic
         names = NodeNames(graph)
         rewrites = 0
         for layer in layer_caches(graph):
@@ -58,7 +59,7 @@ class KvCacheIo(Pass):
                 present.name = name
                 present.dtype = dtype
                 present.shape = [1, hkv, t if mode == "new" else c, d]
-                graph.outputs[graph.outputs.index(outputs[name])] = present
+                graph.outputs[position[name]] = present
                 rewrites += 1
         graph.cleanup(remove_unused_graph_inputs=True)  # e.g. new_token_mask once its Shape folded
         contract_order(graph)
