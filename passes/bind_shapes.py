@@ -38,11 +38,12 @@ import operator
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc.analysis.decoder import decoder_map
 from mtkc.display import escape
 from mtkc.errors import InputError
 from mtkc.ir import shapes
 from mtkc.options import Options
-from mtkc.passes.kv_cache import cache_head_dims
+from mtkc.passes.kv_cache import cache_head_dims, find_caches
 from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 
 SYMBOL_ROLES = {
@@ -215,7 +216,7 @@ def _head_dims(graph, ctx: Context) -> dict[str, tuple[int, int]]:
     if not any(len(t.shape or ()) == 4 and not all(_static(t.shape[a]) for a in (1, 3)) for t in graph.inputs):
         return {}
 
-    return cache_head_dims(graph, ctx.root)
+    return cache_head_dims(graph, find_caches(graph, ctx.analysis(decoder_map, graph)), ctx.root)
 
 
 def _roles(t, heads: dict) -> dict[int, str]:

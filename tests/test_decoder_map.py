@@ -58,25 +58,45 @@ def test_every_exporter_maps_two_layers(exported, family, exporter, cache):
     json.dumps(dm.to_json())
 
 
-def test_an_unrecognised_layer_is_refused_with_its_reason(exported, run_cli, tmp_path):
-    """A Clip between layer 1's mask and its Softmax: layer 0 stays, layer 1 is refused, check exits 0."""
-    model = onnx.load(str(exported("qwen2", "legacy17", False)))
-    graph = gs.import_onnx(model)
+def _clipped(exported, tmp_path, cache: bool):
+    """The tiny Qwen2 legacy17 export with a Clip between layer 1's mask and its Softmax."""
+    graph = gs.import_onnx(onnx.load(str(exported("qwen2", "legacy17", cache))))
     softmax = [n for n in graph.nodes if n.op == "Softmax"][1]
     clipped = gs.Variable("clipped", softmax.inputs[0].dtype, softmax.inputs[0].shape)
     graph.nodes.append(gs.Node("Clip", "odd/Clip", inputs=[softmax.inputs[0]], outputs=[clipped]))
     softmax.inputs[0] = clipped
-    path = tmp_path / "model.onnx"
+    path = tmp_path / ("cache" if cache else "nocache") / "model.onnx"
+    path.parent.mkdir()
     onnx.save(gs.export_onnx(graph.toposort()), str(path))
+    reason = f"Softmax '{softmax.name}': Clip 'odd/Clip' between the scores and the Softmax " \
+        "(expected MatMul(Q, Kᵀ) through scale, soft-cap, mask)"
+    return path, softmax.name, reason
+
+
+def test_an_unrecognised_layer_is_refused_with_its_reason(exported, run_cli, tmp_path):
+    """Layer 0 stays, layer 1 is refused, check exits 0."""
+    path, anchor, reason = _clipped(exported, tmp_path, False)
     code, out, err = run_cli("check", path, "--sdk", "8.0", "--format", "json", "--seq-len", "8")
     assert code == 0, err
     decoder = json.loads(out)["decoder"]
-    assert decoder["layers"] == 1 and [x["anchor"] for x in decoder["refused"]] == [softmax.name]
-    assert decoder["refused"][0]["refused"] == \
-        f"Softmax '{softmax.name}': Clip 'odd/Clip' between the scores and the Softmax " \
-        "(expected MatMul(Q, Kᵀ) through scale, soft-cap, mask)"
+    assert decoder["layers"] == 1 and [x["anchor"] for x in decoder["refused"]] == [anchor]
+    assert decoder["refused"][0] == {"index": 1, "anchor": anchor, "block": "scores", "refused": reason}
     code, out, err = run_cli("check", path, "--sdk", "8.0", "--seq-len", "8")
     assert code == 0 and "decoder     1 layers (1×attention+SwiGLU); cache none; 1 refused (" in out, out + err
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["cache-export", "kv-cache-inserted"])
+def test_compile_refuses_an_unrecognised_layer_with_the_maps_reason(exported, run_cli, tmp_path, cache):
+    """The kv-cache passes read the map: a refused layer is exit 2 naming it, its block and the reason
+    (before: a cache export stopped with "its Concat ... feeds no attention", and `--kv-cache` on a
+    no-cache export silently left the refused layer without cache, so decode saw no past)."""
+    path, anchor, reason = _clipped(exported, tmp_path, cache)
+    out = tmp_path / "out"
+    code, _, err = run_cli("compile", path, "--sdk", "8.0", "--seq-len", "8", "--cache-len", "16", "--no-convert",
+                           "-o", out, *([] if cache else ["--kv-cache"]))
+    assert code == 2 and not out.exists(), err
+    assert f"mtkc: error: decoder layer 1 ('{anchor}'): scores refused: {reason}; " in err, err
+    assert "feeds no attention" not in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_one_layer_numbering_before_and_after_the_pipeline(exported):

@@ -72,22 +72,28 @@ class Layer:
     mlp: str | None = None  # SwiGLU | GeGLU | GELU | SiLU | None (not recognised)
     fused_gate_up: bool = False
     refused: str | None = None
+    block: str | None = None  # the part a refusal is about: scores | probabilities | projections
     nodes: dict[str, gs.Node] = field(default_factory=dict, repr=False, compare=False)  # name -> node, for passes
 
     @property
     def kind(self) -> str:
         return f"{'attention' if self.attention == 'softmax' else self.attention}+{self.mlp or '?'}"
 
+    def refusal(self) -> str:
+        """One line naming a refused candidate, its block and the reason (for errors and `check`)."""
+        return f"decoder layer {self.index} ('{self.anchor}'): {self.block} refused: {self.refused}"
+
     def to_json(self) -> dict:
         if self.refused:
-            return {"index": self.index, "anchor": self.anchor, "refused": self.refused}
+            return {"index": self.index, "anchor": self.anchor, "block": self.block, "refused": self.refused}
         return {k: v for k, v in self.__dict__.items() if k != "nodes" and v not in (None, [], {}, False)} | {"kind": self.kind}
 
 
 @dataclass
 class DecoderMap:
     layers: list[Layer] = field(default_factory=list)  # recognised ones, numbered 0..N-1
-    refused: list[Layer] = field(default_factory=list)  # candidates that are not a decoder layer
+    refused: list[Layer] = field(default_factory=list)  # candidates that are not a decoder layer, numbered by
+    # their rank among all candidates (the layer they would be when every earlier candidate is one)
     token_input: str | None = None
     embedding: str | None = None
     embedding_scale: str | None = None
@@ -143,27 +149,29 @@ def _present(concat: gs.Node, outputs: set[str]) -> str | None:
 
 
 class Refused(Exception):
-    pass
+    def __init__(self, block: str, reason: str) -> None:
+        super().__init__(reason)
+        self.block = block
 
 
 def decoder_map(graph: gs.Graph) -> DecoderMap:
     """The DecoderMap of `graph` (see the module docstring)."""
-    dm, index = DecoderMap(), 0
+    dm = DecoderMap()
     inputs = {id(t) for t in graph.inputs}
     for node in graph.nodes:
         fused = node.op in FUSED_ATTENTION and (node.domain == "com.microsoft" or node.op == "Attention")
         if node.op != "Softmax" and not fused:
             continue
-        layer = Layer(index, node.name)
+        layer = Layer(len(dm.layers), node.name)
         try:
             (_fused(layer, node, inputs) if fused else _softmax(layer, node, inputs))
             _block(layer, node if fused else layer.nodes[layer.pv])
         except Refused as why:
-            layer.refused, layer.index, layer.nodes = str(why), -1, {}
+            layer.refused, layer.block, layer.nodes = str(why), why.block, {}
+            layer.index = len(dm.layers) + len(dm.refused)
             dm.refused.append(layer)
             continue
         dm.layers.append(layer)
-        index += 1
     _globals(dm, graph)
     return dm
 
@@ -184,12 +192,13 @@ def _softmax(layer: Layer, softmax: gs.Node, inputs: set[int]) -> None:
     for _ in range(REACH):  # up to the scores MatMul
         node = _producer(t)
         if node is None:
-            raise Refused(f"Softmax '{softmax.name}': its input '{t.name}' is not computed from a MatMul(Q, Kᵀ)")
+            raise Refused("scores", f"Softmax '{softmax.name}': its input '{t.name}' is not computed from a "
+                          "MatMul(Q, Kᵀ)")
         if node.op == "MatMul":
             break
         if node.op not in _SCORE_PATH:
-            raise Refused(f"Softmax '{softmax.name}': {node.op} '{node.name}' between the scores and the Softmax "
-                          "(expected MatMul(Q, Kᵀ) through scale, soft-cap, mask)")
+            raise Refused("scores", f"Softmax '{softmax.name}': {node.op} '{node.name}' between the scores and the "
+                          "Softmax (expected MatMul(Q, Kᵀ) through scale, soft-cap, mask)")
         variable = [x for x in node.inputs if constant_of(x) is None]
         if node.op == "Tanh":
             layer.softcap = node.name
@@ -201,7 +210,7 @@ def _softmax(layer: Layer, softmax: gs.Node, inputs: set[int]) -> None:
         t = node.inputs[1] if node.op == "Where" else next((x for x in node.inputs if _producer(x) is not None
                                                              and _from_matmul(x)), node.inputs[0])
     else:
-        raise Refused(f"Softmax '{softmax.name}': no MatMul(Q, Kᵀ) within {REACH} nodes above it")
+        raise Refused("scores", f"Softmax '{softmax.name}': no MatMul(Q, Kᵀ) within {REACH} nodes above it")
     scores = node
     layer.scores = _remember(layer, scores)
     t, pv = softmax.outputs[0], None
@@ -213,7 +222,7 @@ def _softmax(layer: Layer, softmax: gs.Node, inputs: set[int]) -> None:
             break
         t = step.outputs[0]
     if pv is None:
-        raise Refused(f"Softmax '{softmax.name}': its probabilities reach no MatMul(P, V)")
+        raise Refused("probabilities", f"Softmax '{softmax.name}': its probabilities reach no MatMul(P, V)")
     layer.pv = _remember(layer, pv)
     layer.q, _, rope = _projection(scores.inputs[0], inputs, layer)
     layer.rope = rope
@@ -221,8 +230,8 @@ def _softmax(layer: Layer, softmax: gs.Node, inputs: set[int]) -> None:
     layer.v, _, _ = _projection(pv.inputs[1], inputs, layer, "value")
     if not (layer.q and layer.k and layer.v):
         missing = [k for k in "qkv" if not getattr(layer, k)]
-        raise Refused(f"Softmax '{softmax.name}': no {'/'.join(missing)} projection (a MatMul of a weight) "
-                      f"within {REACH} nodes above its scores")
+        raise Refused("projections", f"Softmax '{softmax.name}': no {'/'.join(missing)} projection (a MatMul of "
+                      f"a weight) within {REACH} nodes above its scores")
     layer.fused_qkv = layer.q == layer.k == layer.v
 
 
@@ -303,7 +312,7 @@ def _fused(layer: Layer, node: gs.Node, inputs: set[int]) -> None:
     if float(node.attrs.get("softcap", 0.0)) > 0:
         layer.softcap = node.name
     if not layer.q:
-        raise Refused(f"{node.op} '{node.name}': no query projection (a MatMul of a weight) above it")
+        raise Refused("projections", f"{node.op} '{node.name}': no query projection (a MatMul of a weight) above it")
 
 
 # -- residual stream and MLP -----------------------------------------------------------------------

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc.analysis.decoder import decoder_map
 from mtkc.contract import io
 from mtkc.contract import mask as contract_mask
 from mtkc.errors import InputError
@@ -39,7 +40,8 @@ class KvCache(Pass):
 
     def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
 
-        layers = find_caches(graph)
+        dm = ctx.analysis(decoder_map, graph)
+        layers = find_caches(graph, dm)
         notes = []
         self.inserted: dict[str, list] = {}  # no-cache export: new past inputs -> [Hkv, D]
         self.implicit = None
@@ -50,7 +52,7 @@ class KvCache(Pass):
                 notes.append(f"no mask input: the mask built from shapes alone became input '{self.implicit.name}'")
         else:
             _require_mask_early(graph)
-            layers = insert_cache(graph, ctx.root)
+            layers = insert_cache(graph, dm, ctx.root)
             notes.append(f"no cache I/O in the export: inserted past concat in {len(layers)} attention layers")
             self.inserted = {l.past[k].name: [l.past[k].shape[1], l.past[k].shape[3]] for l in layers for k in KINDS}
             for t in graph.inputs:  # mask-early's [1,1,T,T] (per window): the cache slots come first
@@ -86,7 +88,7 @@ def _bind_head_dims(graph: gs.Graph, layers: list[LayerCache], ctx: Context) -> 
     pasts = [p for layer in layers for p in layer.past.values()]
     if all(p.shape is not None and len(p.shape) == 4 and all(isinstance(p.shape[a], int) for a in (1, 3)) for p in pasts):
         return  # static already (TorchScript): no probe of the whole graph
-    dims = cache_head_dims(graph, ctx.root)
+    dims = cache_head_dims(graph, layers, ctx.root)
     for layer in layers:
         for past in layer.past.values():
             if past.shape is not None and past.name in dims:
@@ -94,13 +96,13 @@ def _bind_head_dims(graph: gs.Graph, layers: list[LayerCache], ctx: Context) -> 
                               for a, d in enumerate(past.shape)]
 
 
-def cache_head_dims(graph: gs.Graph, root=None) -> dict[str, tuple[int, int]]:
+def cache_head_dims(graph: gs.Graph, layers: list[LayerCache], root=None) -> dict[str, tuple[int, int]]:
     """{cache input name: (kv heads, head dim)}, found by structure whatever the exporter called the
     dims (dynamo's `s35`, onnxruntime-genai's `kv_cache_dim`): from the shape of the entries a
-    Concat appends to the input, or from the GroupQueryAttention that consumes it."""
+    Concat appends to the input (`layers`: `find_caches`), or from the GroupQueryAttention that
+    consumes it."""
 
     found = dict(cache_inputs(graph))
-    layers = find_caches(graph)
     pasts = [layer.past[k] for layer in layers for k in KINDS]
     if not pasts:
         return found

@@ -3,13 +3,10 @@
 A cache input is a rank-4 graph input that reaches, through copies (Identity, 1-input Concat, the
 Q/DQ pairs a static QDQ model puts on every activation), `Concat(past, new, axis=2)` whose result
 is a graph output (the present), directly or through a Q/DQ pair: `kv-cache` makes the Concat's
-result the output, so the cache I/O of a QDQ model is float, as the converter's calibration expects. Its kind and layer
-come from where the concat's result goes:
-
-    present ─[layout, scale]─► MatMul(Q, ·ᵀ) ─► … ─► Softmax        key   (or input 1 of an attention op)
-    Softmax ─► … ─► MatMul(P, ·) ◄─[layout]─ present                 value (or input 2 of an attention op)
-
-the layer being the rank of that attention among the model's attentions, in graph order.
+result the output, so the cache I/O of a QDQ model is float, as the converter's calibration expects.
+Its layer and kind are the DecoderMap's (`mtkc.analysis.decoder`): the layer whose key or value
+path appends to it (`Layer.past`, `Layer.cache`), numbered as the map numbers layers. A cache input
+no recognised layer appends to is refused with the map's reason for the layer it sits in.
 After `kv-cache` the inputs carry contract names (`past_key_<i>`), read by `layer_caches`.
 """
 
@@ -20,16 +17,14 @@ from dataclasses import dataclass
 
 import onnx_graphsurgeon as gs
 
+from mtkc.analysis.decoder import DecoderMap, decoder_map
 from mtkc.contract import io as contract_io
 from mtkc.display import escape
 from mtkc.errors import InputError
 
 KINDS = contract_io.KINDS
-ATTENTION_OPS = {"MultiHeadAttention", "Attention", "GroupQueryAttention", "PackedAttention"}
 _QDQ = ("QuantizeLinear", "DequantizeLinear")
 _COPIES = ("Identity", *_QDQ)
-_LAYOUT = {"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Identity", "Cast", "Tile", "Mul", "Div", *_QDQ}
-_PROB_PATH = {"Cast", "Where", "IsNaN", "Identity", *_QDQ}
 _CONTRACT = re.compile(r"^past_(?P<kind>key|value)_(?P<i>\d+)$")
 
 
@@ -70,60 +65,19 @@ def cache_output(concat: gs.Node, outputs: list[gs.Tensor]) -> gs.Tensor | None:
     return None
 
 
-def _attention_use(present: gs.Tensor) -> tuple[str, gs.Node] | None:
-    """(kind, the node that identifies the attention) for a present tensor, from its consumers."""
-    frontier, seen = [present], set()
-    while frontier:
-        t = frontier.pop()
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        for node in t.outputs:
-            if node.op in ATTENTION_OPS and node.domain not in ("", "ai.onnx") and t in node.inputs[1:3]:
-                return KINDS[node.inputs.index(t) - 1], node
-            if node.op == "MatMul" and len(node.inputs) == 2 and node.inputs[1] is t:
-                softmax = _softmax_above(node.inputs[0])
-                if softmax is not None:
-                    return "value", softmax
-                softmax = _softmax_below(node.outputs[0])
-                return ("key", softmax) if softmax is not None else None
-            if node.op in _LAYOUT and node.outputs and node.inputs[0] is t:
-                frontier.append(node.outputs[0])
-    return None
+def find_caches(graph: gs.Graph, dm: DecoderMap | None = None) -> list[LayerCache]:
+    """Every layer's cache I/O (see the module docstring); [] when there is none. `dm`: the graph's
+    DecoderMap (`ctx.analysis(decoder_map, graph)`), computed when not given.
 
-
-def _softmax_above(tensor: gs.Tensor, depth: int = 10) -> gs.Node | None:
-    for _ in range(depth):
-        node = tensor.inputs[0] if tensor.inputs else None
-        if node is None:
-            return None
-        if node.op == "Softmax":
-            return node
-        if node.op not in _PROB_PATH:
-            return None
-        tensor = node.inputs[-1] if node.op == "Where" else node.inputs[0]
-    return None
-
-
-def _softmax_below(tensor: gs.Tensor, depth: int = 10) -> gs.Node | None:
-    frontier = [tensor]
-    for _ in range(depth):
-        nxt = []
-        for t in frontier:
-            for node in t.outputs:
-                if node.op == "Softmax":
-                    return node
-                if node.op in {"Add", "Where", "Mul", "Div", "Cast", "Sub", "Tanh", *_QDQ}:  # Tanh: soft-capping
-                    nxt += node.outputs
-        frontier = nxt
-    return None
-
-
-def find_caches(graph: gs.Graph) -> list[LayerCache]:
-    """Every layer's cache I/O found by structure (see the module docstring); [] when there is none."""
-    outputs = {id(t) for t in graph.outputs}
-    order = {id(n): i for i, n in enumerate(graph.nodes)}
+    A cache input no recognised layer appends to is refused (InputError) with the DecoderMap's reason
+    for the candidate layer nearest its Concat, or, when every candidate is a layer, with that layer named."""
+    dm = dm or decoder_map(graph)
+    claimed: dict[str, tuple[int, str]] = {}  # cache input -> (layer, kind) from the map
+    for layer in dm.layers:
+        for kind, past in layer.past.items():
+            claimed[past] = (layer.index, kind)
     found: dict[int, dict[str, tuple[gs.Variable, gs.Node]]] = {}
+    outputs = {id(t) for t in graph.outputs}
     for tensor in graph.inputs:
         if tensor.shape is not None and len(tensor.shape) != 4:
             continue
@@ -131,25 +85,68 @@ def find_caches(graph: gs.Graph) -> list[LayerCache]:
         if concat is None or cache_output(concat, graph.outputs) is None:
             _refuse_cropped(tensor, outputs)
             continue
-        use = _attention_use(concat.outputs[0])
-        if use is None:
-            raise InputError(f"cache input '{tensor.name}': its Concat '{concat.name}' feeds no attention "
-                             "(MatMul -> Softmax -> MatMul, or an attention op)")
-        kind, anchor = use
-        slot = found.setdefault(order[id(anchor)], {})
-        if kind in slot:
-            raise InputError(f"cache inputs '{slot[kind][0].name}' and '{tensor.name}' are both the {kind} "
-                             f"of the attention at '{anchor.name}'")
-        slot[kind] = (tensor, concat)
+        index, kind = claimed.get(tensor.name, (None, None))
+        if index is None or dm.layers[index].cache.get(kind) != concat.name:
+            raise InputError(_unclaimed(dm, tensor, concat))
+        found.setdefault(index, {})[kind] = (tensor, concat)
     layers = []
-    for i, key in enumerate(sorted(found)):
-        slot = found[key]
+    for index in sorted(found):
+        slot = found[index]
         missing = [k for k in KINDS if k not in slot]
         if missing:
             have = next(iter(slot.values()))[0].name
-            raise InputError(f"cache input '{have}' has no matching past {missing[0]} input")
-        layers.append(LayerCache(i, {k: slot[k][0] for k in KINDS}, {k: slot[k][1] for k in KINDS}))
+            raise InputError(f"cache input '{escape(have)}' has no matching past {missing[0]} input "
+                             f"(decoder layer {index}, '{escape(dm.layers[index].anchor)}')")
+        layers.append(LayerCache(index, {k: slot[k][0] for k in KINDS}, {k: slot[k][1] for k in KINDS}))
+    if layers and [x.index for x in layers] != list(range(len(dm.layers))):
+        bare = next(x for x in dm.layers if x.index not in found)
+        raise InputError(f"decoder layer {bare.index} ('{escape(bare.anchor)}') appends to no cache input while "
+                         f"{len(layers)} other layers do")
     return layers
+
+
+def _unclaimed(dm: DecoderMap, past: gs.Tensor, concat: gs.Node) -> str:
+    """Why a cache input is in no recognised layer: the refusal of the candidate its Concat feeds."""
+    head = f"cache input '{escape(past.name)}' (Concat '{escape(concat.name)}')"
+    near = _attention_of(concat, {x.anchor: x for x in dm.layers + dm.refused})
+    if near is not None and near.refused:
+        return f"{near.refusal()}; so {head} has no layer to belong to"
+    if near is not None:
+        return f"{head} is neither the key nor the value cache of decoder layer {near.index} ('{escape(near.anchor)}')"
+    return f"{head} is in none of the {len(dm.layers)} decoder layers found ({dm.summary()})"
+
+
+def _attention_of(concat: gs.Node, anchors: dict):
+    """The candidate layer a cache Concat feeds, whatever ops lie between: the anchor below the first
+    MatMul its result reaches (a key's scores), else above that MatMul's other operand (a value's PV,
+    back along the probabilities)."""
+    matmul = next((n for n in _walk(concat, down=True) if n.name in anchors or n.op in ("MatMul", "Gemm")), None)
+    if matmul is None or matmul.name in anchors:
+        return anchors.get(matmul.name) if matmul is not None else None
+    probabilities = matmul.inputs[0].inputs[0] if matmul.inputs[0].inputs else None
+    for start, down in ((probabilities, False), (matmul, True)):
+        found = next((n for n in _walk(start, down) if n.name in anchors), None) if start is not None else None
+        if found is not None:
+            return anchors[found.name]
+    return None
+
+
+def _walk(node: gs.Node, down: bool, reach: int = 64):
+    """`node` and the nodes below (`down`) or above it, breadth first along data edges (not Shape/Size),
+    not past a MatMul/Gemm (a projection or the other attention product), within `reach` nodes."""
+    frontier, seen = [node], {id(node)}
+    while frontier and len(seen) < reach:
+        following = []
+        for n in frontier:
+            yield n
+            if n is not node and n.op in ("MatMul", "Gemm"):
+                continue
+            near = [m for t in n.outputs for m in t.outputs] if down else [t.inputs[0] for t in n.inputs if t.inputs]
+            for m in near:
+                if id(m) not in seen and m.op not in ("Shape", "Size"):
+                    seen.add(id(m))
+                    following.append(m)
+        frontier = following
 
 
 def _refuse_cropped(past: gs.Tensor, outputs: set[int]) -> None:
