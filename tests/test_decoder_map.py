@@ -19,8 +19,7 @@ from mtkc.analysis.decoder import decoder_map
 from mtkc.ir.model import load
 from mtkc.manager.pass_manager import load_registry, resolve_pipeline, run_pipeline
 from mtkc.options import of
-from mtkc.passes.kv_cache.chunks import map_layers
-from mtkc.passes.kv_cache.detect import find_caches
+from mtkc.passes.kv_cache.detect import find_caches, layer_caches
 from mtkc.passes.kv_cache.plan import chunk_ranges, variants
 from mtkc.pipeline import quantsim
 from mtkc.rewrite.pass_api import Context
@@ -112,7 +111,7 @@ def test_one_layer_numbering_before_and_after_the_pipeline(exported):
     run_pipeline(graph, resolve_pipeline(load_registry(), ctx, None, ["layer-chunks"]), ctx)
     compiled = ctx.analysis(decoder_map, graph)
     assert [x.anchor for x in compiled.refused] == [] and \
-        [(c.index, c.past["key"].name) for c in map_layers(compiled, graph)] == [(0, "past_key_0"), (1, "past_key_1")]
+        [(c.index, c.past["key"].name) for c in layer_caches(graph, compiled)] == [(0, "past_key_0"), (1, "past_key_1")]
     assert [len(r) for r in chunk_ranges(len(compiled.layers), 2)] == [1, 1]
     assert [v.name for v in variants(model.graph, of({"chunks": 2}))] == ["prefill_0", "prefill_1", "decode_0", "decode_1"]
 

@@ -7,7 +7,7 @@ computes its shapes with Shape ops, so an inserted past concat propagates), `kv-
 `layer-chunks` last. The cache contract is that of MediaTek's LLM runtime (ExecuTorch mediatek/).
 
     detect      the cache found by structure (an input concatenated on the sequence axis whose
-                result is a graph output and feeds attention), `layer_caches` after naming
+                result is a graph output) in the DecoderMap's layers, `layer_caches` after naming
     mask_early  `mask-early`: a no-cache export's mask replaced before the cache goes in
     insert      splicing a cache into an export without one
     cache_pass  `kv-cache`: contract names, bound head dims, the additive mask of mask-less exports

@@ -12,7 +12,6 @@ After `kv-cache` the inputs carry contract names (`past_key_<i>`), read by `laye
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import onnx_graphsurgeon as gs
@@ -25,7 +24,6 @@ from mtkc.errors import InputError
 KINDS = contract_io.KINDS
 _QDQ = ("QuantizeLinear", "DequantizeLinear")
 _COPIES = ("Identity", *_QDQ)
-_CONTRACT = re.compile(r"^past_(?P<kind>key|value)_(?P<i>\d+)$")
 
 
 @dataclass
@@ -164,16 +162,16 @@ def _refuse_cropped(past: gs.Tensor, outputs: set[int]) -> None:
                              "with --kv-cache")
 
 
-def layer_caches(graph: gs.Graph) -> list[LayerCache]:
-    """The per-layer cache concats of a graph already through `kv-cache` (inputs past_<kv>_<i>)."""
-    layers: dict[int, LayerCache] = {}
-    for past in graph.inputs:
-        m = _CONTRACT.match(past.name)
-        if not m:
-            continue
-        concat = cache_concat(past)
-        if concat is None:
-            raise InputError(f"cache input '{past.name}': no Concat(past, new, axis=2) consumes it")
-        layer = layers.setdefault(int(m["i"]), LayerCache(int(m["i"]), {}, {}))
-        layer.past[m["kind"]], layer.concat[m["kind"]] = past, concat
-    return [layers[i] for i in sorted(layers)]
+def layer_caches(graph: gs.Graph, dm: DecoderMap) -> list[LayerCache]:
+    """The DecoderMap's layers with their cache I/O, in a graph already through `kv-cache`: layer i
+    must read `past_<kind>_<i>` (one numbering for the map, the contract names and `--chunks`)."""
+    inputs = {t.name: t for t in graph.inputs}
+    layers = []
+    for layer in dm.layers:
+        want = {kind: f"past_{kind}_{layer.index}" for kind in KINDS}
+        if layer.past != want or set(layer.cache) != set(KINDS):
+            raise InputError(f"decoder layer {layer.index} ('{escape(layer.anchor)}') reads cache inputs "
+                             f"{layer.past}, expected {want}")
+        layers.append(LayerCache(layer.index, {k: inputs[want[k]] for k in KINDS},
+                                 {k: layer.nodes[layer.cache[k]] for k in KINDS}))
+    return layers

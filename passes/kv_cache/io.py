@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc.analysis.decoder import decoder_map
 from mtkc.contract import cache as layouts
 from mtkc.contract import io as contract_io
 from mtkc.errors import InputError
@@ -33,7 +34,7 @@ class KvCacheIo(Pass):
         outputs = {o.name: o for o in graph.outputs}
         names = NodeNames(graph)
         rewrites = 0
-        for layer in layer_caches(graph):
+        for layer in layer_caches(graph, ctx.analysis(decoder_map, graph)):
             for kind in KINDS:
                 name = f"present_{kind}_{layer.index}"
                 concat = layer.concat[kind]
