@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc.analysis.decoder import padding_mask
 from mtkc.ir.graph_utils import replace_uses, static_shape
 from mtkc.rewrite.builder import Emit
 from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
@@ -217,12 +218,6 @@ def cache_inputs(graph: gs.Graph) -> dict[str, tuple[int, int]]:
     return found
 
 
-def _mask_input(graph: gs.Graph) -> gs.Variable | None:
-    """The 2-D integer mask the op's seqlens_k / total_sequence_length are computed from."""
-    return next((t for t in graph.inputs if t.dtype is not None and np.issubdtype(np.dtype(t.dtype), np.integer)
-                 and t.shape is not None and len(t.shape) == 2 and "mask" in t.name), None)
-
-
 @register
 class GroupQueryAttentionPass(Pass):
     name = "gqa"
@@ -235,7 +230,7 @@ class GroupQueryAttentionPass(Pass):
         sites = [n for n in graph.nodes if n.op == "GroupQueryAttention" and n.domain == MS]
         if not sites:
             return result
-        mask = _mask_input(graph)
+        mask = padding_mask(graph)
         shared = None
         for node in sites:
             why = _refusal(node, mask)

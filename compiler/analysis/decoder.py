@@ -110,6 +110,11 @@ class DecoderMap:
                 **glob, "per_layer": [layer.to_json() for layer in self.layers],
                 "refused": [layer.to_json() for layer in self.refused]}
 
+    @property
+    def cached(self) -> bool:
+        """Whether the graph has a KV cache: a layer whose key or value path reads a past input."""
+        return any(layer.past for layer in self.layers)
+
     def summary(self) -> str:
         kinds = ", ".join(f"{sum(x.kind == k for x in self.layers)}×{k}" for k in sorted({x.kind for x in self.layers}))
         text = f"{len(self.layers)} layers ({kinds or 'none'}); cache {self.cache_layout}"
@@ -421,7 +426,8 @@ def _globals(dm: DecoderMap, graph: gs.Graph) -> None:
         norm = _producer(node.inputs[0])
         dm.final_norm = norm.name if norm is not None else None
     names = {t.name for t in graph.inputs}
-    dm.mask_source = next((n for n in MASK_NAMES if n in names), None) or _mask_input(dm, graph)
+    mask = padding_mask(graph)
+    dm.mask_source = next((n for n in MASK_NAMES if n in names), None) or (mask.name if mask is not None else None)
     dm.position_source = "position_ids" if "position_ids" in names else None
     if dm.layers and dm.layers[0].cache:
         first = dm.layers[0]
@@ -432,10 +438,7 @@ def _globals(dm: DecoderMap, graph: gs.Graph) -> None:
         dm.cache_layout = f"{shape} ({first.attention} past/present)" if fused else f"{shape} (Concat on axis 2)"
 
 
-def _mask_input(dm: DecoderMap, graph: gs.Graph) -> str | None:
-    """An integer rank-2 input that is neither the tokens nor the positions (the 2-D padding mask)."""
-    for t in graph.inputs:
-        if t.name != dm.token_input and t.shape is not None and len(t.shape) == 2 and t.name != "position_ids" \
-                and t.dtype is not None and np.dtype(t.dtype).kind in "iu":
-            return t.name
-    return None
+def padding_mask(graph: gs.Graph) -> gs.Variable | None:
+    """The 2-D integer padding-mask input ([batch, total]: an exporter's `attention_mask`), else None."""
+    return next((t for t in graph.inputs if "mask" in t.name and t.dtype is not None
+                 and np.issubdtype(np.dtype(t.dtype), np.integer) and t.shape is not None and len(t.shape) == 2), None)

@@ -20,6 +20,7 @@ from typing import Callable
 
 import onnx_graphsurgeon as gs
 
+from mtkc.analysis.decoder import decoder_map
 from mtkc.backend.stitch import Split, split
 from mtkc.display import Progress
 from mtkc.errors import InputError
@@ -28,7 +29,7 @@ from mtkc.ir.counts import count
 from mtkc.ir.model import Model
 from mtkc.manager.pass_manager import PassRecord, Pipeline, load_registry, resolve_pipeline, run_pipeline
 from mtkc.options import Options
-from mtkc.passes.bind_shapes import BindShapes, has_past, input_roles
+from mtkc.passes.bind_shapes import BindShapes, has_past, roles_of
 from mtkc.passes.kv_cache import variants as plan_variants
 from mtkc.rewrite.pass_api import Context, Pass
 from mtkc.target.assess import Assessment, assess
@@ -178,11 +179,11 @@ def llm_defaults(graph: gs.Graph, options: Options) -> dict[str, int]:
     model's inputs (none when the user binds inputs by name with --input-shape)."""
     if options.input_shapes:
         return {}
-    roles = set()
+    named, roles = roles_of(graph, decoder_map(graph)), set()
     for t in graph.inputs:
         shape = list(t.shape or [])
-        roles |= {role for axis, role in input_roles(t.name, len(shape)).items() if not isinstance(shape[axis], int)}
-    past = has_past(graph)
+        roles |= {role for axis, role in named[t.name].items() if not isinstance(shape[axis], int)}
+    past = has_past(named)
     wanted = {"seq_len": bool(roles & {"seq", "total"}), "cache_len": past and bool(roles & {"cache", "total"}),
               "batch": "batch" in roles}
     return {key: LLM_DEFAULTS[key] for key, want in wanted.items() if want and getattr(options, key) is None}

@@ -49,7 +49,7 @@ def variants(graph: gs.Graph, options: dict) -> list[Variant]:
     is no layer; a layer whose k/v path reads a past input has a cache."""
     kv, dm = options.kv_cache, decoder_map(graph)
     if kv is None:
-        kv = any(layer.past for layer in dm.layers)
+        kv = dm.cached
     if not kv:
         return [Variant("model", {})]
     seq_len = options.seq_len or DEFAULT_SEQ_LEN
