@@ -37,7 +37,7 @@ _SCORE_PATH = {"Add", "Where", "Mul", "Div", "Tanh", "Cast", "Sub", "Identity", 
 _PROB_PATH = {"Cast", "Where", "IsNaN", "Identity", "Dropout", "Reshape", *_QDQ}
 _LAYOUT = {"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Identity", "Cast", "Tile", "Concat",
            "Mul", "Div", "Add", "Sub", "Neg", "Slice", "Split", "RotaryEmbedding", "Gather",
-           "DequantizeLinear", "QuantizeLinear"}
+           "DequantizeLinear", "QuantizeLinear", *NORMS}  # NORMS: a q/k norm as one op (Qwen3, Gemma 3)
 _ALL_INPUTS = {"Concat", "Mul", "Div", "Add", "Sub", "RotaryEmbedding"}  # other layout ops: data input 0 only
 _OUT_PATH = {"Transpose", "Reshape", "Cast", "Identity", "Squeeze", "Unsqueeze", "Where"}
 _GLU = {"Sigmoid": "SwiGLU", "QuickGelu": "SwiGLU", "Swish": "SwiGLU", "Erf": "GeGLU", "Gelu": "GeGLU",
@@ -257,15 +257,23 @@ def _from_matmul(t: gs.Tensor) -> bool:
 def _weight(node: gs.Node) -> bool:
     if node.op not in PROJECTIONS or len(node.inputs) < 2:
         return False
-    if node.op != "MatMul":
-        return True
-    w, steps = node.inputs[1], 0
-    while constant_of(w) is None and steps < 4:
-        up = _producer(w)
-        if up is None or up.op not in ("Transpose", "DequantizeLinear", "Cast", "Reshape"):
+    return node.op != "MatMul" or _from_constants(node.inputs[1])
+
+
+def _from_constants(t: gs.Tensor, budget: int = 12) -> bool:
+    """`t` is computed from constants alone within `budget` nodes (a weight, or its dequantise
+    subgraph: int4-weights' Cast · Sub · Mul · Reshape of int8 codes and block scales)."""
+    stack, seen = [t], 0
+    while stack:
+        x = stack.pop()
+        if constant_of(x) is not None:
+            continue
+        node = _producer(x)
+        seen += 1
+        if node is None or seen > budget:
             return False
-        w, steps = up.inputs[0], steps + 1
-    return constant_of(w) is not None
+        stack += list(node.inputs)
+    return True
 
 
 def _projection(t: gs.Tensor, inputs: set[int], layer: Layer, kind: str | None = None):

@@ -19,7 +19,7 @@ import onnx_graphsurgeon as gs
 from mtkc.analysis.decoder import DecoderMap, decoder_map
 from mtkc.contract import io as contract_io
 from mtkc.display import escape
-from mtkc.errors import InputError
+from mtkc.errors import InputError, InternalError
 
 KINDS = contract_io.KINDS
 _QDQ = ("QuantizeLinear", "DequantizeLinear")
@@ -174,4 +174,10 @@ def layer_caches(graph: gs.Graph, dm: DecoderMap) -> list[LayerCache]:
                              f"{layer.past}, expected {want}")
         layers.append(LayerCache(layer.index, {k: inputs[want[k]] for k in KINDS},
                                  {k: layer.nodes[layer.cache[k]] for k in KINDS}))
+    read = {p.name for x in layers for p in x.past.values()}
+    unread = [name for name in inputs if name not in read and (contract_io.cache_name(name) or ("",))[0] == "past"]
+    if unread:  # the pipeline's own graph: a map that lost a layer is mtkc's bug, never a silent no-op
+        why = f": {dm.refused[0].refusal()}" if dm.refused else ""
+        raise InternalError(f"cache input '{unread[0]}' is in none of the {len(layers)} decoder layers the "
+                            f"DecoderMap finds in the rewritten graph{why}")
     return layers
