@@ -81,7 +81,9 @@ def test_an_unrecognised_layer_is_refused_with_its_reason(exported, run_cli, tmp
     assert decoder["layers"] == 1 and [x["anchor"] for x in decoder["refused"]] == [anchor]
     assert decoder["refused"][0] == {"index": 1, "anchor": anchor, "block": "scores", "refused": reason}
     code, out, err = run_cli("check", path, "--sdk", "8.0", "--seq-len", "8")
-    assert code == 0 and "decoder     1 layers (1×attention+SwiGLU); cache none; 1 refused (" in out, out + err
+    assert code == 0 and "decoder     Qwen2/Llama-style, 1 layers (1×attention+SwiGLU); cache none; 1 refused\n" \
+        "            layer 0: 2 norms, q/k/v, rope, sdpa, SwiGLU\n" \
+        f"            layer 1: scores refused: {reason}\n" in out, out + err
 
 
 @pytest.mark.parametrize("cache", [True, False], ids=["cache-export", "kv-cache-inserted"])
@@ -96,6 +98,17 @@ def test_compile_refuses_an_unrecognised_layer_with_the_maps_reason(exported, ru
     assert code == 2 and not out.exists(), err
     assert f"mtkc: error: decoder layer 1 ('{anchor}'): scores refused: {reason}; " in err, err
     assert "feeds no attention" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_without_a_cache_the_refused_layer_compiles_and_explain_names_it(exported, run_cli, tmp_path):
+    """No cache to place: the layer the map refused compiles as it is (its Clip on the CPU), and
+    `--explain` prints the map's refusal after the pass's misses."""
+    path, anchor, reason = _clipped(exported, tmp_path, False)
+    code, out, err = run_cli("compile", path, "--sdk", "8.0", "--seq-len", "8", "--no-convert", "-o", tmp_path / "out",
+                             "--explain", "attention")
+    assert code == 0, err
+    assert out.endswith(f"\ndecoder layer 1 ('{anchor}'): scores refused: {reason}\n") and "odd/Clip" in out, out
+    assert "mtkc: CPU: Clip x1 (op-not-in-table" in err, err
 
 
 def test_one_layer_numbering_before_and_after_the_pipeline(exported):
@@ -133,3 +146,28 @@ def test_attention_soft_capping_is_part_of_the_layer(exported):
     dm = decoder_map(graph.toposort())
     assert [x.softcap for x in dm.layers] == [n.name for n in tanhs] and not dm.refused
     assert all(x.mask and x.scores and x.scale is None for x in dm.layers)  # cap * tanh(s / cap) is no scale
+
+
+FAMILIES = {"qwen2": "Qwen2/Llama-style", "llama": "Qwen2/Llama-style", "mistral": "Qwen2/Llama-style",
+            "llama3": "Qwen2/Llama-style", "qwen3": "Qwen3", "gemma2": "Gemma 2", "gemma3": "Gemma 3",
+            "phi3": "Phi-3/Phi-3.5", "phi35": "Phi-3/Phi-3.5", "phi4mini": "Phi-4-mini"}
+BLOCKS = {"qwen3": "layers 0-1: 2 norms, q/k/v, q/k norm, rope, sdpa, cache, SwiGLU",
+          "gemma2": "layers 0-1: 4 norms (sandwich), q/k/v, rope, sdpa, soft-cap, cache, GeGLU",
+          "gemma3": "layers 0-5: 4 norms (sandwich), q/k/v, q/k norm, rope, sdpa, cache, GeGLU",
+          "phi4mini": "layers 0-1: 2 norms, fused qkv, partial rope, sdpa, cache, SwiGLU (fused gate-up)"}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_family_is_recognised_from_structure(exported, family):
+    """transformers' dynamo export of each factory family: the family its layers' structure says
+    (q/k norm, soft-cap, GeGLU, sandwich norms, fused qkv, partial rotary), identical layers grouped."""
+    dm = decoder_map(load(exported(family, "hf", True)).graph)
+    assert dm.family == FAMILIES[family] and dm.to_json()["family"] == FAMILIES[family] and not dm.refused
+    assert dm.per_layer() == [BLOCKS.get(family, "layers 0-1: 2 norms, fused qkv, rope, sdpa, cache, SwiGLU (fused gate-up)"
+                                         if family.startswith("phi") else "layers 0-1: 2 norms, q/k/v, rope, sdpa, cache, SwiGLU")]
+
+
+def test_a_packing_exporter_is_no_family_evidence(exported):
+    """onnxruntime-genai packs q/k/v for every family: without another signature the family is unknown."""
+    assert decoder_map(load(exported("qwen2", "genai-fp32", True)).graph).family == "decoder (unknown family)"
+    assert decoder_map(load(exported("qwen3", "genai-fp32", True)).graph).family == "Qwen3"  # q/k norm still says it

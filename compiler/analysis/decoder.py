@@ -51,12 +51,15 @@ class Layer:
 
     index: int
     anchor: str  # the Softmax or fused attention node
+    position: int = 0  # rank among all candidates (recognised and refused), in graph order
     attention: str = ""  # "softmax" | the fused op type
     q: str | None = None
     k: str | None = None
     v: str | None = None
     fused_qkv: bool = False
+    qk_norm: bool = False  # a norm on the query after its projection
     rope: str | None = None  # the rotation on q ("fused" inside the attention op)
+    partial_rotary: bool = False  # RoPE on the first dims of each head only (Phi-4-mini)
     scores: str | None = None
     scale: str | None = None
     softcap: str | None = None
@@ -79,6 +82,19 @@ class Layer:
     def kind(self) -> str:
         return f"{'attention' if self.attention == 'softmax' else self.attention}+{self.mlp or '?'}"
 
+    def blocks(self) -> str:
+        """What was recognised, compactly ("2 norms, q/k/v, rope, sdpa, cache, SwiGLU"), or the refusal."""
+        if self.refused:
+            return f"{self.block} refused: {self.refused}"
+        rope = ("partial rope" if self.partial_rotary else "rope (in the op)" if self.rope == "fused" else "rope") \
+            if self.rope else "no rope"
+        parts = [f"{len(self.norms)} norms" + (" (sandwich)" if len(self.norms) >= 4 else ""),
+                 "fused qkv" if self.fused_qkv else "q/k/v", "q/k norm" if self.qk_norm else "", rope,
+                 "sdpa" if self.attention == "softmax" else self.attention, "soft-cap" if self.softcap else "",
+                 f"window {self.window}" if self.window else "", "cache" if self.cache else "",
+                 (self.mlp or "MLP not recognised") + (" (fused gate-up)" if self.fused_gate_up else "")]
+        return ", ".join(p for p in parts if p)
+
     def refusal(self) -> str:
         """One line naming a refused candidate, its block and the reason (for errors and `check`)."""
         return f"decoder layer {self.index} ('{self.anchor}'): {self.block} refused: {self.refused}"
@@ -86,7 +102,8 @@ class Layer:
     def to_json(self) -> dict:
         if self.refused:
             return {"index": self.index, "anchor": self.anchor, "block": self.block, "refused": self.refused}
-        return {k: v for k, v in self.__dict__.items() if k != "nodes" and v not in (None, [], {}, False)} | {"kind": self.kind}
+        return {k: v for k, v in self.__dict__.items() if k not in ("nodes", "position")
+                and v not in (None, [], {}, False)} | {"kind": self.kind}
 
 
 @dataclass
@@ -103,6 +120,7 @@ class DecoderMap:
     mask_source: str | None = None
     position_source: str | None = None
     cache_layout: str = "none"
+    family: str | None = None  # recognised from structure (`_family`); None without layers
 
     def to_json(self) -> dict:
         glob = {k: v for k, v in self.__dict__.items() if k not in ("layers", "refused")}
@@ -117,9 +135,20 @@ class DecoderMap:
 
     def summary(self) -> str:
         kinds = ", ".join(f"{sum(x.kind == k for x in self.layers)}×{k}" for k in sorted({x.kind for x in self.layers}))
-        text = f"{len(self.layers)} layers ({kinds or 'none'}); cache {self.cache_layout}"
-        return text + (f"; {len(self.refused)} refused ({self.refused[0].anchor}: {self.refused[0].refused})"
-                       if self.refused else "")
+        text = f"{self.family + ', ' if self.family else ''}{len(self.layers)} layers ({kinds or 'none'}); " \
+               f"cache {self.cache_layout}"
+        return text + (f"; {len(self.refused)} refused" if self.refused else "")
+
+    def per_layer(self) -> list[str]:
+        """One line per run of identical layers, in graph order ("layers 0-23: ...", "layer 3: scores refused: ...")."""
+        runs: list[list] = []
+        for layer in sorted(self.layers + self.refused, key=lambda x: x.position):
+            text = layer.blocks()
+            if runs and runs[-1][2] == text and not layer.refused:
+                runs[-1][1] = layer.position
+            else:
+                runs.append([layer.position, layer.position, text])
+        return [f"layer{'s' if a != b else ''} {a}{f'-{b}' if a != b else ''}: {text}" for a, b, text in runs]
 
     def contract_names(self, graph: gs.Graph) -> dict[str, str]:
         """{export's name: contract name} of the cache inputs, presents and logits, for the layers whose
@@ -167,18 +196,38 @@ def decoder_map(graph: gs.Graph) -> DecoderMap:
         fused = node.op in FUSED_ATTENTION and (node.domain == "com.microsoft" or node.op == "Attention")
         if node.op != "Softmax" and not fused:
             continue
-        layer = Layer(len(dm.layers), node.name)
+        layer = Layer(len(dm.layers), node.name, len(dm.layers) + len(dm.refused))
         try:
             (_fused(layer, node, inputs) if fused else _softmax(layer, node, inputs))
             _block(layer, node if fused else layer.nodes[layer.pv])
         except Refused as why:
-            layer.refused, layer.block, layer.nodes = str(why), why.block, {}
-            layer.index = len(dm.layers) + len(dm.refused)
+            layer.refused, layer.block, layer.nodes, layer.index = str(why), why.block, {}, layer.position
             dm.refused.append(layer)
             continue
         dm.layers.append(layer)
     _globals(dm, graph)
+    dm.family = _family(dm, any(n.domain == "com.microsoft" for n in graph.nodes))
     return dm
+
+
+def _family(dm: DecoderMap, exporter_fused: bool) -> str | None:
+    """The model family the layers' structure says, "decoder (unknown family)" when it says none.
+    `exporter_fused`: com.microsoft ops present (onnxruntime's optimiser, the genai builder), which
+    pack q/k/v and gate/up whatever the family, so packing is no evidence there."""
+    if not dm.layers:
+        return None
+    has = lambda name: any(getattr(x, name) for x in dm.layers)  # noqa: E731
+    mlps = {x.mlp for x in dm.layers}
+    if has("softcap") and "SwiGLU" not in mlps:
+        return "Gemma 2"  # attention soft-cap (with GeGLU and sandwich norms)
+    if has("qk_norm"):
+        return {"GeGLU": "Gemma 3", "SwiGLU": "Qwen3"}.get(" ".join(sorted(m or "" for m in mlps)),
+                                                          "decoder (unknown family)")
+    if mlps != {"SwiGLU"} or has("fused_qkv") and exporter_fused:
+        return "decoder (unknown family)"
+    if has("fused_qkv"):
+        return "Phi-4-mini" if has("partial_rotary") else "Phi-3/Phi-3.5"
+    return "Qwen2/Llama-style"
 
 
 # -- attention ------------------------------------------------------------------------------------
@@ -292,17 +341,46 @@ def _projection(t: gs.Tensor, inputs: set[int], layer: Layer, kind: str | None =
             qdq += node.op in _QDQ
             if _weight(node):
                 return _remember(layer, node), node.inputs[0], rope
+            if kind is None and _is_norm(node):  # the query's own norm (Qwen3, Gemma 3)
+                layer.qk_norm = True
             if node.op not in _LAYOUT:
                 continue
-            if node.op == "RotaryEmbedding" or (node.op in ("Add", "Sub") and rope is None
-                                                and all((_producer(i) or gs.Node("")).op == "Mul" for i in node.inputs)):
+            if _rotated(node):
                 rope = rope or node.name
+            if kind is None and node.op == "Concat" and node.attrs.get("axis") in (-1, 3) \
+                    and any(_rotated(_producer(i)) for i in node.inputs):  # cat(rope(q[..., :r]), q[..., r:])
+                layer.partial_rotary |= any(not _rotated(_producer(i)) and _last_dim(i) > 0 for i in node.inputs)
             if kind and node.op == "Concat" and len(node.inputs) == 2 and node.attrs.get("axis") in (2, -2):
                 layer.cache.setdefault(kind, _remember(layer, node))
             data = node.inputs if node.op in _ALL_INPUTS else node.inputs[:1]
             following += [i for i in data if constant_of(i) is None]
         frontier = following
     return None, None, rope
+
+
+def _rotated(node: gs.Node | None) -> bool:
+    """A RoPE rotation: RotaryEmbedding, or x·cos ± rotate_half(x)·sin (an Add/Sub of two Muls)."""
+    return node is not None and (node.op == "RotaryEmbedding" or node.op in ("Add", "Sub") and all(
+        (_producer(i) or gs.Node("")).op == "Mul" for i in node.inputs))
+
+
+def _last_dim(t: gs.Tensor) -> int:
+    """The static last dim of `t`, -1 when not known (a TorchScript export declares few shapes)."""
+    return t.shape[-1] if t.shape and isinstance(t.shape[-1], int) else -1
+
+
+def _is_norm(node: gs.Node) -> bool:
+    """A norm op, or the 1/sqrt(mean(x²) + eps) of a decomposed RMSNorm/LayerNorm."""
+    if node.op in NORMS:
+        return True
+    up = _producer(node.inputs[0]) if node.op in ("Sqrt", "Reciprocal") else None
+    for _ in range(3):
+        if up is None or up.op not in ("ReduceMean", "Add", "Sqrt", "Cast"):
+            return False
+        if up.op == "ReduceMean":
+            return True
+        up = _producer(next((x for x in up.inputs if constant_of(x) is None), up.inputs[0]))
+    return False
 
 
 def _fused(layer: Layer, node: gs.Node, inputs: set[int]) -> None:
@@ -347,10 +425,13 @@ def _block(layer: Layer, attention_out: gs.Node) -> None:
         step = next((u for u in users if u.op in _OUT_PATH or _weight(u) or (u.op == "Add" and
                      any(constant_of(x) is not None for x in u.inputs))), None)
         if step is None:
-            return
+            break
         t = step.outputs[0]
-    else:
-        return
+    if add is None and skip is None:  # a norm between o_proj and the residual add (Gemma's sandwich norms)
+        add, t = _residual_add(attention_out)
+        if add is None:
+            return
+        layer.norms.append(_producer(t).name)
     if add is not None:
         layer.residual_in = next(x.name for x in add.inputs if x is not t)
         mid, post_input = add.outputs[0], None
@@ -360,14 +441,43 @@ def _block(layer: Layer, attention_out: gs.Node) -> None:
             return
         mid, post_input = skip.outputs[3], skip.outputs[0]
         layer.norms.append(skip.name)
+    post_mlp = None
     users = mid.outputs + [c for u in mid.outputs if u.op == "Cast" for c in u.outputs[0].outputs]  # legacy: a Cast
     out = next((u for u in users if u.op == "Add"), None)
     nxt = next((u for u in users if u.op in ("SkipSimplifiedLayerNormalization", "SkipLayerNormalization")), None)
     if out is not None:
         layer.residual_out = out.outputs[0].name
+        last = _producer(next((x for x in out.inputs if x is not mid and _producer(x) is not None), out.inputs[0]))
+        while last is not None and last.op == "Cast":
+            last = _producer(last.inputs[0])
+        if last is not None and not _weight(last) and last.op != "Add":  # a post-MLP norm
+            post_mlp = last.name
     elif nxt is not None and len(nxt.outputs) > 3 and nxt.outputs[3].name:
         layer.residual_out = nxt.outputs[3].name
     _mlp(layer, mid, post_input, out or nxt)
+    if out is not None and post_mlp is not None and len(layer.norms) == 3:
+        layer.norms.append(post_mlp)
+
+
+def _residual_add(start: gs.Node) -> tuple[gs.Node | None, gs.Tensor | None]:
+    """The first Add below `start` joining its branch with a tensor from outside it (the residual
+    stream), breadth first along data edges within REACH nodes: (that Add, its input from the branch)."""
+    below, frontier, seen = {id(t) for t in start.outputs}, list(start.outputs), 0
+    while frontier and seen < REACH:
+        t = frontier.pop(0)
+        for u in t.outputs:
+            seen += 1
+            if u.op in ("Shape", "Size"):
+                continue
+            if u.op == "Add" and len(u.inputs) == 2 and all(constant_of(x) is None for x in u.inputs):
+                other = u.inputs[1] if u.inputs[0] is t else u.inputs[0]
+                if id(other) not in below and _producer(t) is not None:
+                    return u, t
+            for o in u.outputs:
+                if id(o) not in below:
+                    below.add(id(o))
+                    frontier.append(o)
+    return None, None
 
 
 def _mlp(layer: Layer, mid: gs.Tensor, post: gs.Tensor | None, stop: gs.Node | None) -> None:
