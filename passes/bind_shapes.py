@@ -44,7 +44,7 @@ from mtkc.display import escape
 from mtkc.errors import InputError
 from mtkc.ir import shapes
 from mtkc.options import Options
-from mtkc.passes.kv_cache import cache_head_dims, find_caches
+from mtkc.analysis.cache import cache_head_dims, find_caches
 from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 
 SYMBOL_ROLES = {

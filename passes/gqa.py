@@ -27,6 +27,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc.analysis.cache import gqa_head_size, op_input
 from mtkc.analysis.decoder import padding_mask
 from mtkc.ir.graph_utils import replace_uses, static_shape
 from mtkc.rewrite.builder import Emit
@@ -34,10 +35,6 @@ from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 
 MS = "com.microsoft"
 POSITIONS = "position_ids"
-
-
-def _input(node: gs.Node, i: int) -> gs.Tensor | None:
-    return node.inputs[i] if len(node.inputs) > i and node.inputs[i].name else None
 
 
 def _float(t: gs.Tensor) -> np.dtype:
@@ -56,41 +53,12 @@ def _refusal(node: gs.Node, mask: gs.Tensor | None) -> str | None:
         return "interleaved rotary is not decomposed"
     if a.get("local_window_size", -1) not in (-1, None) or a.get("softcap", 0.0) or a.get("smooth_softmax", 0):
         return "local window, softcap or smooth softmax is not decomposed"
-    if _input(node, 10) is not None or _input(node, 11) is not None:
+    if op_input(node, 10) is not None or op_input(node, 11) is not None:
         return "attention_bias / head_sink is not decomposed"
-    if _input(node, 3) is None or _input(node, 4) is None:
+    if op_input(node, 3) is None or op_input(node, 4) is None:
         return "no past_key/past_value inputs"
     if mask is None:
         return "no 2-D integer attention mask input (seqlens_k has no source to rebuild the mask from)"
-    return None
-
-
-def _head_size(node: gs.Node, heads: int, kv_heads: int) -> int | None:
-    """D from a per-head input, the (packed) query's width, else the cos cache ([max, R/2], R = D
-    unless the rotary is partial, as Phi-2's)."""
-    for i, n in ((3, None), (1, kv_heads), (0, heads + (2 * kv_heads if _input(node, 1) is None else 0))):
-        width = _width(_input(node, i)) if _input(node, i) is not None else None
-        if width:
-            return width if n is None else width // n
-    cos = _input(node, 7)
-    if node.attrs.get("do_rotary", 0) and cos is not None and static_shape(cos):
-        return 2 * static_shape(cos)[1]
-    return None
-
-
-def _width(t: gs.Tensor) -> int | None:
-    """The last dim of `t`: its static shape's, or its MatMul(/Add bias) projection weight's."""
-    if t.shape and isinstance(t.shape[-1], int) and t.shape[-1] > 0:
-        return t.shape[-1]
-    node = t.inputs[0] if t.inputs else None
-    for _ in range(2):
-        if node is None or node.op not in ("MatMul", "Add"):
-            return None
-        const = next((x for x in node.inputs if isinstance(x, gs.Constant)), None)
-        if node.op == "MatMul" and const is not None and len(const.shape) == 2:
-            return int(const.shape[1])
-        other = next((x for x in node.inputs if not isinstance(x, gs.Constant)), None)
-        node = other.inputs[0] if other is not None and other.inputs else None
     return None
 
 
@@ -143,12 +111,12 @@ class _Shared:
 
 def _decompose(graph: gs.Graph, node: gs.Node, shared: _Shared) -> str | None:
     heads, kv_heads = int(node.attrs["num_heads"]), int(node.attrs["kv_num_heads"])
-    d = _head_size(node, heads, kv_heads)
+    d = gqa_head_size(node, heads, kv_heads)
     if not d or heads % kv_heads:
         return "head size unknown (no static cos cache, key, past or query size)"
     e = Emit(graph, node.name)
     f32 = _float(node.inputs[0])  # fp16 exports compute (and keep their cache) in fp16
-    if _input(node, 1) is None:
+    if op_input(node, 1) is None:
         q, k, v = e.op("Split", [node.inputs[0], e.ints("sizes", heads * d, kv_heads * d, kv_heads * d)],
                        {"axis": -1}, dtype=f32, outputs=3)
     else:
@@ -160,7 +128,7 @@ def _decompose(graph: gs.Graph, node: gs.Node, shared: _Shared) -> str | None:
 
     q4, k4, v4 = heads_first(q, heads), heads_first(k, kv_heads), heads_first(v, kv_heads)
     if node.attrs.get("do_rotary", 0):
-        positions = _input(node, 9) or shared.positions
+        positions = op_input(node, 9) or shared.positions
         tables = [e.op("Unsqueeze", [e.op("Gather", [shared.table(cache), positions], {"axis": 0}, dtype=f32),
                                      e.ints("ax", 1)], dtype=f32) for cache in (node.inputs[7], node.inputs[8])]
         rot = 2 * static_shape(node.inputs[7])[1] if static_shape(node.inputs[7]) else d
@@ -202,20 +170,6 @@ def _rotate(e: Emit, x: gs.Tensor, d: int, rot: int, cos: gs.Tensor, sin: gs.Ten
         return out
     rest = e.op("Slice", [x, e.ints("rot", rot), e.ints("end_d", d), axis], dtype=f32)
     return e.op("Concat", [out, rest], {"axis": -1}, dtype=f32)
-
-
-def cache_inputs(graph: gs.Graph) -> dict[str, tuple[int, int]]:
-    """{past_key / past_value input name: (kv heads, head dim)} of every GroupQueryAttention."""
-    found = {}
-    for node in graph.nodes:
-        if node.op == "GroupQueryAttention" and node.domain == MS:
-            heads, kv_heads = int(node.attrs["num_heads"]), int(node.attrs["kv_num_heads"])
-            d = _head_size(node, heads, kv_heads)
-            for i in (3, 4):
-                past = _input(node, i)
-                if d and past is not None and past in graph.inputs:
-                    found[past.name] = (kv_heads, d)
-    return found
 
 
 @register

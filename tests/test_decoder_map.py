@@ -19,7 +19,7 @@ from mtkc.analysis.decoder import decoder_map
 from mtkc.ir.model import load
 from mtkc.manager.pass_manager import load_registry, resolve_pipeline, run_pipeline
 from mtkc.options import of
-from mtkc.passes.kv_cache.detect import find_caches, layer_caches
+from mtkc.analysis.cache import find_caches, layer_caches
 from mtkc.passes.kv_cache.plan import chunk_ranges, variants
 from mtkc.pipeline import quantsim
 from mtkc.rewrite.pass_api import Context

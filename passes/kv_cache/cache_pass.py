@@ -22,9 +22,8 @@ from mtkc.analysis.decoder import decoder_map
 from mtkc.contract import io
 from mtkc.contract import mask as contract_mask
 from mtkc.errors import InputError
-from mtkc.passes.gqa import cache_inputs
-from mtkc.passes.kv_cache.detect import KINDS, LayerCache, find_caches
-from mtkc.passes.kv_cache.insert import insert_cache, probe_shapes
+from mtkc.analysis.cache import KINDS, LayerCache, cache_head_dims, find_caches
+from mtkc.passes.kv_cache.insert import insert_cache
 from mtkc.passes.kv_cache.plan import DEFAULT_CACHE_LEN, kv_on
 from mtkc.passes.mask import additive_shape, implicit_mask
 from mtkc.rewrite.pass_api import Context, Pass, PassResult, register
@@ -94,25 +93,6 @@ def _bind_head_dims(graph: gs.Graph, layers: list[LayerCache], ctx: Context) -> 
             if past.shape is not None and past.name in dims:
                 past.shape = [dims[past.name][a // 2] if a in (1, 3) and not isinstance(d, int) else d
                               for a, d in enumerate(past.shape)]
-
-
-def cache_head_dims(graph: gs.Graph, layers: list[LayerCache], root=None) -> dict[str, tuple[int, int]]:
-    """{cache input name: (kv heads, head dim)}, found by structure whatever the exporter called the
-    dims (dynamo's `s35`, onnxruntime-genai's `kv_cache_dim`): from the shape of the entries a
-    Concat appends to the input (`layers`: `find_caches`), or from the GroupQueryAttention that
-    consumes it."""
-
-    found = dict(cache_inputs(graph))
-    pasts = [layer.past[k] for layer in layers for k in KINDS]
-    if not pasts:
-        return found
-    probe = probe_shapes(graph, root, keep={id(p) for p in pasts})
-    for layer in layers:
-        for kind in KINDS:
-            shape = probe.get(layer.concat[kind].inputs[1].name)
-            if shape is not None and len(shape) == 4 and all(isinstance(shape[a], int) for a in (1, 3)):
-                found[layer.past[kind].name] = (shape[1], shape[3])
-    return found
 
 
 def _name_io(graph: gs.Graph, layers: list[LayerCache]) -> dict[str, str]:

@@ -16,7 +16,7 @@ import onnx_graphsurgeon as gs
 from mtkc.analysis.decoder import decoder_map
 from mtkc.errors import InputError
 from mtkc.ir.execute import run
-from mtkc.passes.kv_cache.detect import KINDS, LayerCache, layer_caches
+from mtkc.analysis.cache import KINDS, LayerCache, layer_caches
 from mtkc.passes.kv_cache.io import contract_order
 from mtkc.passes.kv_cache.plan import chunk_ranges, kv_on
 from mtkc.rewrite.pass_api import Context, Pass, PassResult, register

@@ -13,14 +13,12 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.analysis.decoder import DecoderMap
-from mtkc.contract import io
 from mtkc.errors import InputError
 from mtkc.ir import shapes
 from mtkc.ir.constants import values as values_of
 from mtkc.ir.graph_utils import Names as NodeNames
-from mtkc.passes.kv_cache.detect import KINDS, LayerCache
+from mtkc.analysis.cache import KINDS, PROBE_SEQ, LayerCache, probe_shapes
 
-PROBE_SEQ = 97  # a sequence length no model dimension is likely to equal
 _LAYOUT = {"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Identity", "Cast", "Tile"}
 
 
@@ -83,22 +81,6 @@ def insert_cache(graph: gs.Graph, dm: DecoderMap, root=None) -> list[LayerCache]
         layers.append(layer)
     _position_input(graph, names, probe)
     return layers
-
-
-def probe_shapes(graph: gs.Graph, root=None, keep: set[int] = frozenset()) -> dict[str, list]:
-    """Tensor shapes with every symbolic input dim set to 1 (batch) or PROBE_SEQ (the rest):
-    static Hkv and D where symbolic inference leaves them unknown (TorchScript's runtime
-    reshapes), and the sequence axis recognisable by its value. Inputs in `keep` (ids: cache
-    inputs) have only their batch and length axes set; their other symbols stay unknown."""
-    kept = {t.name for t in graph.inputs if id(t) in keep}
-    probe = graph.copy()
-    for t in probe.inputs:
-        t.shape = [d if isinstance(d, int) or (t.name in kept and axis not in (0, 2))
-                   else (1 if axis == 0 else PROBE_SEQ) for axis, d in enumerate(t.shape or [])]
-        if io.is_mask(t.name) and len(t.shape) == 4:  # additive, no past yet: [1, 1, S, S]
-            t.shape = [1, 1, PROBE_SEQ, PROBE_SEQ]
-    shapes.infer(probe, root)
-    return {name: t.shape for name, t in probe.tensors().items()}
 
 
 def _free_kv_length(full: gs.Variable, probe: dict[str, list], names: NodeNames) -> None:

@@ -14,7 +14,7 @@ from mtkc.contract import cache as layouts
 from mtkc.contract import io as contract_io
 from mtkc.errors import InputError
 from mtkc.ir.graph_utils import Names as NodeNames
-from mtkc.passes.kv_cache.detect import KINDS, layer_caches
+from mtkc.analysis.cache import KINDS, layer_caches
 from mtkc.passes.kv_cache.plan import cache_options, kv_on
 from mtkc.rewrite.pass_api import Context, Pass, PassResult, register
 

@@ -21,7 +21,7 @@ import onnx_graphsurgeon as gs
 
 from mtkc.analysis.decoder import decoder_map
 from mtkc.contract import io
-from mtkc.passes.kv_cache.detect import find_caches
+from mtkc.analysis.cache import find_caches
 from mtkc.passes.kv_cache.plan import DEFAULT_CACHE_LEN, DEFAULT_SEQ_LEN, kv_on
 from mtkc.passes.mask import Mask, implicit_mask
 from mtkc.rewrite.pass_api import Context, PassResult, register

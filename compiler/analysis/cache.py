@@ -8,6 +8,10 @@ Its layer and kind are the DecoderMap's (`mtkc.analysis.decoder`): the layer who
 path appends to it (`Layer.past`, `Layer.cache`), numbered as the map numbers layers. A cache input
 no recognised layer appends to is refused with the map's reason for the layer it sits in.
 After `kv-cache` the inputs carry contract names (`past_key_<i>`), read by `layer_caches`.
+
+Also here, as the kv-cache passes and bind-shapes both need them: each cache input's kv heads and
+head dim (`cache_head_dims`: from the entries appended to it, in a shape probe with the symbolic
+dims set, or from the GroupQueryAttention reading it).
 """
 
 from __future__ import annotations
@@ -18,10 +22,14 @@ import onnx_graphsurgeon as gs
 
 from mtkc.analysis.decoder import DecoderMap, decoder_map
 from mtkc.contract import io as contract_io
+from mtkc.ir import shapes
+from mtkc.ir.graph_utils import static_shape
 from mtkc.display import escape
 from mtkc.errors import InputError, InternalError
 
 KINDS = contract_io.KINDS
+PROBE_SEQ = 97  # a sequence length no model dimension is likely to equal
+MS = "com.microsoft"
 _QDQ = ("QuantizeLinear", "DequantizeLinear")
 _COPIES = ("Identity", *_QDQ)
 
@@ -181,3 +189,88 @@ def layer_caches(graph: gs.Graph, dm: DecoderMap) -> list[LayerCache]:
         raise InternalError(f"cache input '{unread[0]}' is in none of the {len(layers)} decoder layers the "
                             f"DecoderMap finds in the rewritten graph{why}")
     return layers
+
+
+# -- cache head dims ------------------------------------------------------------------------------
+def cache_head_dims(graph: gs.Graph, layers: list[LayerCache], root=None) -> dict[str, tuple[int, int]]:
+    """{cache input name: (kv heads, head dim)}, found by structure whatever the exporter called the
+    dims (dynamo's `s35`, onnxruntime-genai's `kv_cache_dim`): from the shape of the entries a
+    Concat appends to the input (`layers`: `find_caches`), or from the GroupQueryAttention that
+    consumes it."""
+
+    found = dict(gqa_caches(graph))
+    pasts = [layer.past[k] for layer in layers for k in KINDS]
+    if not pasts:
+        return found
+    probe = probe_shapes(graph, root, keep={id(p) for p in pasts})
+    for layer in layers:
+        for kind in KINDS:
+            shape = probe.get(layer.concat[kind].inputs[1].name)
+            if shape is not None and len(shape) == 4 and all(isinstance(shape[a], int) for a in (1, 3)):
+                found[layer.past[kind].name] = (shape[1], shape[3])
+    return found
+
+
+def probe_shapes(graph: gs.Graph, root=None, keep: set[int] = frozenset()) -> dict[str, list]:
+    """Tensor shapes with every symbolic input dim set to 1 (batch) or PROBE_SEQ (the rest):
+    static Hkv and D where symbolic inference leaves them unknown (TorchScript's runtime
+    reshapes), and the sequence axis recognisable by its value. Inputs in `keep` (ids: cache
+    inputs) have only their batch and length axes set; their other symbols stay unknown."""
+    kept = {t.name for t in graph.inputs if id(t) in keep}
+    probe = graph.copy()
+    for t in probe.inputs:
+        t.shape = [d if isinstance(d, int) or (t.name in kept and axis not in (0, 2))
+                   else (1 if axis == 0 else PROBE_SEQ) for axis, d in enumerate(t.shape or [])]
+        if contract_io.is_mask(t.name) and len(t.shape) == 4:  # additive, no past yet: [1, 1, S, S]
+            t.shape = [1, 1, PROBE_SEQ, PROBE_SEQ]
+    shapes.infer(probe, root)
+    return {name: t.shape for name, t in probe.tensors().items()}
+
+
+# -- GroupQueryAttention's cache (its attributes and inputs) -------------------------------------
+def op_input(node: gs.Node, i: int) -> gs.Tensor | None:
+    """Input `i` of `node`, None when absent or empty (an optional input left out)."""
+    return node.inputs[i] if len(node.inputs) > i and node.inputs[i].name else None
+
+
+def gqa_head_size(node: gs.Node, heads: int, kv_heads: int) -> int | None:
+    """D from a per-head input, the (packed) query's width, else the cos cache ([max, R/2], R = D
+    unless the rotary is partial, as Phi-2's)."""
+    for i, n in ((3, None), (1, kv_heads), (0, heads + (2 * kv_heads if op_input(node, 1) is None else 0))):
+        width = last_width(op_input(node, i)) if op_input(node, i) is not None else None
+        if width:
+            return width if n is None else width // n
+    cos = op_input(node, 7)
+    if node.attrs.get("do_rotary", 0) and cos is not None and static_shape(cos):
+        return 2 * static_shape(cos)[1]
+    return None
+
+
+def last_width(t: gs.Tensor) -> int | None:
+    """The last dim of `t`: its static shape's, or its MatMul(/Add bias) projection weight's."""
+    if t.shape and isinstance(t.shape[-1], int) and t.shape[-1] > 0:
+        return t.shape[-1]
+    node = t.inputs[0] if t.inputs else None
+    for _ in range(2):
+        if node is None or node.op not in ("MatMul", "Add"):
+            return None
+        const = next((x for x in node.inputs if isinstance(x, gs.Constant)), None)
+        if node.op == "MatMul" and const is not None and len(const.shape) == 2:
+            return int(const.shape[1])
+        other = next((x for x in node.inputs if not isinstance(x, gs.Constant)), None)
+        node = other.inputs[0] if other is not None and other.inputs else None
+    return None
+
+
+def gqa_caches(graph: gs.Graph) -> dict[str, tuple[int, int]]:
+    """{past_key / past_value input name: (kv heads, head dim)} of every GroupQueryAttention."""
+    found = {}
+    for node in graph.nodes:
+        if node.op == "GroupQueryAttention" and node.domain == MS:
+            heads, kv_heads = int(node.attrs["num_heads"]), int(node.attrs["kv_num_heads"])
+            d = gqa_head_size(node, heads, kv_heads)
+            for i in (3, 4):
+                past = op_input(node, i)
+                if d and past is not None and past in graph.inputs:
+                    found[past.name] = (kv_heads, d)
+    return found
