@@ -17,7 +17,8 @@ import pytest
 
 from mtkc.analysis.decoder import decoder_map
 from mtkc.ir.model import load
-from mtkc.manager.pass_manager import load_registry, resolve_pipeline, run_pipeline
+from mtkc.manager.pass_manager import resolve_pipeline, run_pipeline
+from mtkc.pipeline.registry import load_registry
 from mtkc.options import of
 from mtkc.analysis.cache import find_caches, layer_caches
 from mtkc.passes.kv_cache.plan import chunk_ranges, variants

@@ -8,7 +8,7 @@ import logging
 from mtkc.commands.options import add_common, add_llm, add_pipeline, add_shapes, add_target, from_args, with_sdk
 from mtkc.commands.partitioning import add_converter, add_placement
 from mtkc.display import escape
-from mtkc.manager.pass_manager import load_registry
+from mtkc.pipeline.registry import load_registry
 from mtkc.pipeline.compile import compile_model, default_output
 
 log = logging.getLogger("mtkc")

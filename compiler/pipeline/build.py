@@ -27,7 +27,8 @@ from mtkc.errors import InputError
 from mtkc.ir import shapes
 from mtkc.ir.counts import count
 from mtkc.ir.model import Model
-from mtkc.manager.pass_manager import PassRecord, Pipeline, load_registry, resolve_pipeline, run_pipeline
+from mtkc.manager.pass_manager import PassRecord, Pipeline, resolve_pipeline, run_pipeline
+from mtkc.pipeline.registry import load_registry
 from mtkc.options import Options
 from mtkc.passes.bind_shapes import BindShapes, has_past, roles_of
 from mtkc.passes.kv_cache import variants as plan_variants

@@ -19,7 +19,7 @@ import onnx_graphsurgeon as gs
 from mtkc.analysis.decoder import DecoderMap, decoder_map
 from mtkc.errors import MtkcError
 from mtkc.ir.model import load
-from mtkc.manager.pass_manager import load_registry
+from mtkc.pipeline.registry import load_registry
 from mtkc.options import Options, of
 from mtkc.passes.qdq import quantization_state
 from mtkc.pipeline.build import Build, build, raw_assessment
