@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import onnx_graphsurgeon as gs
 
-from mtkc.analysis.decoder import DecoderMap, decoder_map
+from mtkc.analysis.decoder import QDQ, DecoderMap, decoder_map, present_of
 from mtkc.contract import io as contract_io
 from mtkc.ir import shapes
 from mtkc.ir.graph_utils import static_shape
@@ -30,8 +30,7 @@ from mtkc.errors import InputError, InternalError
 KINDS = contract_io.KINDS
 PROBE_SEQ = 97  # a sequence length no model dimension is likely to equal
 MS = "com.microsoft"
-_QDQ = ("QuantizeLinear", "DequantizeLinear")
-_COPIES = ("Identity", *_QDQ)
+_COPIES = ("Identity", *sorted(QDQ))
 
 
 @dataclass
@@ -58,19 +57,6 @@ def cache_concat(past: gs.Tensor, copies: tuple[str, ...] = _COPIES) -> gs.Node 
     return None
 
 
-def cache_output(concat: gs.Node, outputs: list[gs.Tensor]) -> gs.Tensor | None:
-    """The graph output a cache Concat's result is: itself, or its Q -> DQ (a QDQ model)."""
-    tensor = concat.outputs[0]
-    for _ in range(3):
-        if any(t is tensor for t in outputs):
-            return tensor
-        nxt = [n for n in tensor.outputs if n.op in _QDQ]
-        if not nxt:
-            return None
-        tensor = nxt[0].outputs[0]
-    return None
-
-
 def find_caches(graph: gs.Graph, dm: DecoderMap | None = None) -> list[LayerCache]:
     """Every layer's cache I/O (see the module docstring); [] when there is none. `dm`: the graph's
     DecoderMap (`ctx.analysis(decoder_map, graph)`), computed when not given.
@@ -88,7 +74,7 @@ def find_caches(graph: gs.Graph, dm: DecoderMap | None = None) -> list[LayerCach
         if tensor.shape is not None and len(tensor.shape) != 4:
             continue
         concat = cache_concat(tensor)
-        if concat is None or cache_output(concat, graph.outputs) is None:
+        if concat is None or present_of(concat, graph.outputs) is None:
             _refuse_cropped(tensor, outputs)
             continue
         index, kind = claimed.get(tensor.name, (None, None))

@@ -32,9 +32,9 @@ FUSED_ATTENTION = {"Attention", "MultiHeadAttention", "GroupQueryAttention", "Pa
 PROJECTIONS = {"MatMul", "Gemm", "MatMulNBits", "FusedMatMul", "MatMulInteger", "DynamicQuantizeMatMul"}
 NORMS = {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RMSNormalization",
          "LayerNormalization", "SkipLayerNormalization"}
-_QDQ = {"QuantizeLinear", "DequantizeLinear"}  # a QDQ model's activations, transparent to the structure
-_SCORE_PATH = {"Add", "Where", "Mul", "Div", "Tanh", "Cast", "Sub", "Identity", "Reshape", *_QDQ}
-_PROB_PATH = {"Cast", "Where", "IsNaN", "Identity", "Dropout", "Reshape", *_QDQ}
+QDQ = {"QuantizeLinear", "DequantizeLinear"}  # a QDQ model's activations, transparent to the structure
+_SCORE_PATH = {"Add", "Where", "Mul", "Div", "Tanh", "Cast", "Sub", "Identity", "Reshape", *QDQ}
+_PROB_PATH = {"Cast", "Where", "IsNaN", "Identity", "Dropout", "Reshape", *QDQ}
 _LAYOUT = {"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Identity", "Cast", "Tile", "Concat",
            "Mul", "Div", "Add", "Sub", "Neg", "Slice", "Split", "RotaryEmbedding", "Gather",
            "DequantizeLinear", "QuantizeLinear", *NORMS}  # NORMS: a q/k norm as one op (Qwen3, Gemma 3)
@@ -154,28 +154,29 @@ class DecoderMap:
         """{export's name: contract name} of the cache inputs, presents and logits, for the layers whose
         cache is `Concat(past, new, axis 2)` into a graph output (what `kv-cache` names; verify pairs
         an export's own I/O with the compiled graph's by it)."""
-        outputs, names = {t.name for t in graph.outputs}, {}
+        names = {}
         for layer in self.layers:
             concats = {k: layer.nodes.get(layer.cache.get(k)) for k in ("key", "value")}
-            presents = {k: _present(c, outputs) for k, c in concats.items() if c is not None and c.op == "Concat"}
+            presents = {k: present_of(c, graph.outputs) for k, c in concats.items() if c is not None and c.op == "Concat"}
             if len(presents) != 2 or None in presents.values() or set(layer.past) != {"key", "value"}:
                 continue
             for kind, present in presents.items():
                 names[layer.past[kind]] = f"past_{kind}_{layer.index}"
-                names[present] = f"present_{kind}_{layer.index}"
+                names[present.name] = f"present_{kind}_{layer.index}"
         rest = [o.name for o in graph.outputs if o.name not in names]
         if names and rest and "logits" not in rest:
             names[rest[0]] = "logits"
         return names
 
 
-def _present(concat: gs.Node, outputs: set[str]) -> str | None:
-    """The graph output a cache Concat's result is: itself, or its QuantizeLinear -> DequantizeLinear."""
+def present_of(concat: gs.Node, outputs: list[gs.Tensor]) -> gs.Tensor | None:
+    """The graph output a cache Concat's result is: itself, or its QuantizeLinear -> DequantizeLinear
+    (a QDQ model)."""
     tensor = concat.outputs[0]
     for _ in range(3):
-        if tensor.name in outputs:
-            return tensor.name
-        nxt = [n for n in tensor.outputs if n.op in ("QuantizeLinear", "DequantizeLinear")]
+        if any(t is tensor for t in outputs):
+            return tensor
+        nxt = [n for n in tensor.outputs if n.op in QDQ]
         if not nxt:
             return None
         tensor = nxt[0].outputs[0]
@@ -338,7 +339,7 @@ def _projection(t: gs.Tensor, inputs: set[int], layer: Layer, kind: str | None =
             if node is None or id(node) in seen:
                 continue
             seen.add(id(node))
-            qdq += node.op in _QDQ
+            qdq += node.op in QDQ
             if _weight(node):
                 return _remember(layer, node), node.inputs[0], rope
             if kind is None and _is_norm(node):  # the query's own norm (Qwen3, Gemma 3)
