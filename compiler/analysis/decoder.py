@@ -158,7 +158,7 @@ class DecoderMap:
         for layer in self.layers:
             concats = {k: layer.nodes.get(layer.cache.get(k)) for k in ("key", "value")}
             presents = {k: present_of(c, graph.outputs) for k, c in concats.items() if c is not None and c.op == "Concat"}
-            if len(presents) != 2 or None in presents.values() or set(layer.past) != {"key", "value"}:
+            if len(presents) != 2 or any(p is None for p in presents.values()) or set(layer.past) != {"key", "value"}:
                 continue
             for kind, present in presents.items():
                 names[layer.past[kind]] = f"past_{kind}_{layer.index}"
