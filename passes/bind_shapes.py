@@ -13,10 +13,11 @@ value from, in order:
     attention_mask 2-D                                      [batch, total]
     attention_mask 4-D                                      [batch, 1, seq, total]
     past* / *cache* inputs (4-D)                            [batch, heads, cache, head_dim]
+    (the DecoderMap's token input, mask source and cache inputs take those roles whatever their names)
     inputs found to be a KV cache by structure              the same, heads and head_dim from the
       (`kv_cache.cache_head_dims`, whatever their names)    entries appended to them / their attention op
 
-total = seq + cache when the graph has past inputs, else seq. `batch` defaults to 1 once any
+total = seq + cache when the graph has cache inputs (by structure or by name), else seq. `batch` defaults to 1 once any
 dim is bound.
 
 Extra inputs with no role are handled first: an integer scalar that only picks positions of the
@@ -38,11 +39,12 @@ import operator
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc.analysis.decoder import DecoderMap, decoder_map
 from mtkc.display import escape
 from mtkc.errors import InputError
 from mtkc.ir import shapes
 from mtkc.options import Options
-from mtkc.passes.kv_cache import cache_head_dims
+from mtkc.analysis.cache import cache_head_dims, find_caches
 from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 
 SYMBOL_ROLES = {
@@ -69,8 +71,27 @@ def input_roles(name: str, rank: int) -> dict[int, str]:
     return {}
 
 
-def has_past(graph) -> bool:
-    return any(("past" in t.name.lower() or "cache" in t.name.lower()) and len(t.shape or ()) == 4 for t in graph.inputs)
+def has_past(roles: dict[str, dict[int, str]]) -> bool:
+    """Whether some input has the cache role (`roles_of`)."""
+    return any("cache" in r.values() for r in roles.values())
+
+
+def roles_of(graph: gs.Graph, dm: DecoderMap) -> dict[str, dict[int, str]]:
+    """Axis -> role per graph input: the DecoderMap's token input, mask source and cache inputs (found
+    by structure, whatever their names), then what the name says (`input_roles`)."""
+    cache = {name for layer in dm.layers for name in layer.past.values()}
+    roles = {}
+    for t in graph.inputs:
+        rank = len(t.shape or [])
+        if t.name in cache and rank == 4:
+            roles[t.name] = {0: "batch", 2: "cache"}
+        elif t.name == dm.token_input and rank >= 2:
+            roles[t.name] = {0: "batch", 1: "seq"}
+        elif t.name == dm.mask_source and rank in (2, 4):
+            roles[t.name] = {0: "batch", 1: "total"} if rank == 2 else {0: "batch", 2: "seq", 3: "total"}
+        else:
+            roles[t.name] = input_roles(t.name, rank)
+    return roles
 
 
 def role_values(options: Options, past: bool) -> dict[str, int | None]:
@@ -112,8 +133,9 @@ class BindShapes(Pass):
         unknown = sorted(set(explicit) - {t.name for t in graph.inputs})
         if unknown:
             raise InputError(f"--input-shape: the model has no input '{ctx.model_name(unknown[0])}'")
-        heads = _head_dims(graph, ctx)
-        past = has_past(graph) or bool(heads)
+        dm = ctx.analysis(decoder_map, graph)
+        heads, named = _head_dims(graph, ctx), roles_of(graph, dm)
+        past = bool(heads) or has_past(named)
         if ctx.options.cache_len and not past:
             result.notes.append("--cache-len ignored: the model has no past/cache inputs")
         values = role_values(ctx.options, past)
@@ -132,7 +154,7 @@ class BindShapes(Pass):
                 result.rewrites += sum(1 for d in shape if not _static(d))
                 t.shape = dims
                 continue
-            roles = _roles(t, heads)
+            roles = _roles(t, heads, named)
             for axis, d in enumerate(shape):
                 value = _numeric(d)
                 role = roles.get(axis) or SYMBOL_ROLES.get(str(d).strip() if d is not None else "")
@@ -147,7 +169,7 @@ class BindShapes(Pass):
                     _learn(symbols, d, value, t.name)
             pending.append(t)
         for t in pending:
-            shape, roles = list(t.shape or []), _roles(t, heads)
+            shape, roles = list(t.shape or []), _roles(t, heads, named)
             for axis, d in enumerate(shape):
                 if _static(d):
                     continue
@@ -216,13 +238,13 @@ def _head_dims(graph, ctx: Context) -> dict[str, tuple[int, int]]:
     if not any(len(t.shape or ()) == 4 and not all(_static(t.shape[a]) for a in (1, 3)) for t in graph.inputs):
         return {}
 
-    return cache_head_dims(graph, ctx.root)
+    return cache_head_dims(graph, find_caches(graph, ctx.analysis(decoder_map, graph)), ctx.root)
 
 
-def _roles(t, heads: dict) -> dict[int, str]:
+def _roles(t, heads: dict, named: dict) -> dict[int, str]:
     if t.name in heads and len(t.shape or ()) == 4:
         return {0: "batch", 2: "cache"}
-    return input_roles(t.name, len(t.shape or []))
+    return named[t.name]
 
 
 def _static(d) -> bool:

@@ -29,19 +29,17 @@ from pathlib import Path
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc.analysis.cache import gqa_head_size, op_input, rope_table_width
+from mtkc.analysis.decoder import padding_mask
 from mtkc.display import escape
 from mtkc.errors import InputError
-from mtkc.ir.graph_utils import replace_uses, static_shape
+from mtkc.ir.graph_utils import replace_uses
 from mtkc.ir.outdir import read_json
 from mtkc.rewrite.builder import Emit
 from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 
 MS = "com.microsoft"
 POSITIONS = "position_ids"
-
-
-def _input(node: gs.Node, i: int) -> gs.Tensor | None:
-    return node.inputs[i] if len(node.inputs) > i and node.inputs[i].name else None
 
 
 def _float(t: gs.Tensor) -> np.dtype:
@@ -65,61 +63,12 @@ def _refusal(node: gs.Node, mask: gs.Tensor | None) -> str | None:
         (f"softcap {a.get('softcap', 0.0):g}", a.get("softcap", 0.0)), ("smooth softmax", a.get("smooth_softmax", 0))) if on]
     if unsupported:
         return f"{' and '.join(unsupported)} {'are' if len(unsupported) > 1 else 'is'} not decomposed"
-    if _input(node, 10) is not None or _input(node, 11) is not None:
+    if op_input(node, 10) is not None or op_input(node, 11) is not None:
         return "attention_bias / head_sink is not decomposed"
-    if _input(node, 3) is None or _input(node, 4) is None:
+    if op_input(node, 3) is None or op_input(node, 4) is None:
         return "no past_key/past_value inputs"
     if mask is None:
         return "no 2-D integer attention mask input (seqlens_k has no source to rebuild the mask from)"
-    return None
-
-
-def _head_size(node: gs.Node, heads: int, kv_heads: int) -> int | None:
-    """D from a per-head input, the (packed) query's width, else the cos cache ([max, R/2], R = D
-    unless the rotary is partial, as Phi-2's)."""
-    for i, n in ((3, None), (1, kv_heads), (0, heads + (2 * kv_heads if _input(node, 1) is None else 0))):
-        width = _width(_input(node, i)) if _input(node, i) is not None else None
-        if width:
-            return width if n is None else width // n
-    cos = _input(node, 7)
-    if node.attrs.get("do_rotary", 0) and cos is not None and _table_width(cos):
-        return 2 * _table_width(cos)
-    return None
-
-
-def _table_width(cos: gs.Tensor) -> int | None:
-    """The cos cache's width R/2: its static shape's, or the If's branch constants' (the builder's
-    long/short RoPE switch, `[max_sequence_length, 'head_dim / 2']` as declared)."""
-    shape = static_shape(cos)
-    if shape:
-        return shape[1]
-    node = cos.inputs[0] if cos.inputs else None
-    if node is None or node.op != "If":
-        return None
-    out = node.outputs.index(cos)
-    widths = set()
-    for branch in (node.attrs.get("then_branch"), node.attrs.get("else_branch")):
-        made = branch.outputs[out].inputs[0] if branch is not None and branch.outputs[out].inputs else None
-        value = made.attrs.get("value") if made is not None and made.op == "Constant" else None
-        widths.add(value.shape[1] if isinstance(value, gs.Constant) and len(value.shape) == 2 else None)
-    return widths.pop() if len(widths) == 1 else None
-
-
-def _width(t: gs.Tensor) -> int | None:
-    """The last dim of `t`: its static shape's, or its MatMul / MatMulNBits (/Add bias) projection's."""
-    if t.shape and isinstance(t.shape[-1], int) and t.shape[-1] > 0:
-        return t.shape[-1]
-    node = t.inputs[0] if t.inputs else None
-    for _ in range(2):
-        if node is not None and node.op == "MatMulNBits" and node.attrs.get("N"):
-            return int(node.attrs["N"])  # int4: the weight's output width is the op's attribute
-        if node is None or node.op not in ("MatMul", "Add"):
-            return None
-        const = next((x for x in node.inputs if isinstance(x, gs.Constant)), None)
-        if node.op == "MatMul" and const is not None and len(const.shape) == 2:
-            return int(const.shape[1])
-        other = next((x for x in node.inputs if not isinstance(x, gs.Constant)), None)
-        node = other.inputs[0] if other is not None and other.inputs else None
     return None
 
 
@@ -172,12 +121,12 @@ class _Shared:
 
 def _decompose(graph: gs.Graph, node: gs.Node, shared: _Shared) -> str | None:
     heads, kv_heads = int(node.attrs["num_heads"]), int(node.attrs["kv_num_heads"])
-    d = _head_size(node, heads, kv_heads)
+    d = gqa_head_size(node, heads, kv_heads)
     if not d or heads % kv_heads:
         return "head size unknown (no static cos cache, key, past or query size)"
     e = Emit(graph, node.name)
     f32 = _float(node.inputs[0])  # fp16 exports compute (and keep their cache) in fp16
-    if _input(node, 1) is None:
+    if op_input(node, 1) is None:
         q, k, v = e.op("Split", [node.inputs[0], e.ints("sizes", heads * d, kv_heads * d, kv_heads * d)],
                        {"axis": -1}, dtype=f32, outputs=3)
     else:
@@ -189,10 +138,10 @@ def _decompose(graph: gs.Graph, node: gs.Node, shared: _Shared) -> str | None:
 
     q4, k4, v4 = heads_first(q, heads), heads_first(k, kv_heads), heads_first(v, kv_heads)
     if node.attrs.get("do_rotary", 0):
-        positions = _input(node, 9) or shared.positions
+        positions = op_input(node, 9) or shared.positions
         tables = [e.op("Unsqueeze", [e.op("Gather", [shared.table(cache), positions], {"axis": 0}, dtype=f32),
                                      e.ints("ax", 1)], dtype=f32) for cache in (node.inputs[7], node.inputs[8])]
-        rot = 2 * (_table_width(node.inputs[7]) or d // 2)
+        rot = 2 * (rope_table_width(node.inputs[7]) or d // 2)
         q4, k4 = (_rotate(e, x, d, rot, *tables) for x in (q4, k4))
     presents = []
     for i, (past, new) in enumerate(((node.inputs[3], k4), (node.inputs[4], v4)), start=1):
@@ -233,20 +182,6 @@ def _rotate(e: Emit, x: gs.Tensor, d: int, rot: int, cos: gs.Tensor, sin: gs.Ten
     return e.op("Concat", [out, rest], {"axis": -1}, dtype=f32)
 
 
-def cache_inputs(graph: gs.Graph) -> dict[str, tuple[int, int]]:
-    """{past_key / past_value input name: (kv heads, head dim)} of every GroupQueryAttention."""
-    found = {}
-    for node in graph.nodes:
-        if node.op == "GroupQueryAttention" and node.domain == MS:
-            heads, kv_heads = int(node.attrs["num_heads"]), int(node.attrs["kv_num_heads"])
-            d = _head_size(node, heads, kv_heads)
-            for i in (3, 4):
-                past = _input(node, i)
-                if d and past is not None and past in graph.inputs:
-                    found[past.name] = (kv_heads, d)
-    return found
-
-
 def _declared_window(root) -> int | None:
     """The sliding window onnxruntime-genai's `genai_config.json` beside the model declares, if any."""
     path = Path(root) / "genai_config.json" if root is not None else None
@@ -256,12 +191,6 @@ def _declared_window(root) -> int | None:
     window = ((config.get("model") or {}).get("decoder") or {}).get("sliding_window") if isinstance(config, dict) else None
     size = window.get("window_size") if isinstance(window, dict) else None
     return size if isinstance(size, int) and size > 0 else None
-
-
-def _mask_input(graph: gs.Graph) -> gs.Variable | None:
-    """The 2-D integer mask the op's seqlens_k / total_sequence_length are computed from."""
-    return next((t for t in graph.inputs if t.dtype is not None and np.issubdtype(np.dtype(t.dtype), np.integer)
-                 and t.shape is not None and len(t.shape) == 2 and "mask" in t.name), None)
 
 
 @register
@@ -276,7 +205,7 @@ class GroupQueryAttentionPass(Pass):
         sites = [n for n in graph.nodes if n.op == "GroupQueryAttention" and n.domain == MS]
         if not sites:
             return result
-        mask = _mask_input(graph)
+        mask = padding_mask(graph)
         shared = None
         for layer, node in enumerate(sites):
             why = _refusal(node, mask)
@@ -285,7 +214,7 @@ class GroupQueryAttentionPass(Pass):
                 why = _decompose(graph, node, shared)
             if why is None:
                 result.rewrites += 1
-            elif ctx.options.kv_cache and _input(node, 3) is not None:  # its cache would be lost
+            elif ctx.options.kv_cache and op_input(node, 3) is not None:  # its cache would be lost
                 raise InputError(f"layer {layer}: GroupQueryAttention '{escape(node.name)}' (its cache inside the op): "
                                  f"{why}, so mtkc cannot give it a static cache")
             else:

@@ -29,6 +29,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from mtkc.analysis.decoder import decoder_map, padding_mask
 from mtkc.contract import cache as contract_cache
 from mtkc.contract import io
 from mtkc.contract import mask as contract_mask
@@ -44,14 +45,6 @@ from mtkc.passes import mask_window
 
 NAME = io.ATTENTION_MASK
 _QDQ = ("QuantizeLinear", "DequantizeLinear")
-
-
-def _mask_input(graph: gs.Graph) -> gs.Variable | None:
-    for t in graph.inputs:
-        if "mask" in t.name and t.dtype is not None and np.issubdtype(np.dtype(t.dtype), np.integer) \
-                and t.shape is not None and len(t.shape) == 2:
-            return t
-    return None
 
 
 def _downstream(tensors: list[gs.Tensor]) -> set[int]:
@@ -81,7 +74,7 @@ class Mask(RulePass):
         self.rules = (FromInput(self),)
 
     def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
-        if _mask_input(graph) is None:  # nothing to replace (already an additive input, or no mask at all)
+        if padding_mask(graph) is None:  # nothing to replace (already an additive input, or no mask at all)
             return PassResult(notes=["no 2-D integer attention_mask input"])
         return super().run(graph, ctx)
 
@@ -192,7 +185,7 @@ class FromInput(Site):
         self.owner = owner
 
     def derive(self, graph):
-        self.old = _mask_input(graph)
+        self.old = padding_mask(graph)
         others = [t for t in graph.inputs if t is not self.old]
         return _downstream([self.old]) - _downstream(others), self.old.name
 
@@ -201,7 +194,7 @@ class FromInput(Site):
         super().start(graph, ctx)
         sites = [s for s in self.found.values() if isinstance(s, tuple)]
         self.readers = _readers_left(graph, self.old, sites, self.guards) if sites else []
-        self.shapes = _shape_source(graph) if all(r.op == "Shape" for r in self.readers) else None
+        self.shapes = _shape_source(graph, ctx) if all(r.op == "Shape" for r in self.readers) else None
         self.blocked = bool(self.readers) and self.shapes is None
 
     def candidate(self, node):
@@ -216,7 +209,7 @@ class FromInput(Site):
             self.owner.windows = []
             self.old.name = f"{self.old.name}.2d"  # the new input takes the name; the old one leaves the graph
         self.owner.windows.append(window)
-        return _additive_input(graph, ctx, self.old.shape[1] if _has_cache(graph) else None, window)
+        return _additive_input(graph, ctx, self.old.shape[1] if _has_cache(graph, ctx) else None, window)
 
     def finish(self, graph, ctx, result):
         if self.blocked:
@@ -251,12 +244,12 @@ def additive_shape(graph: gs.Graph, ctx: Context, total=None) -> list:
     the key length when it is known and no cache length is set."""
     seq = ctx.options.seq_len or _seq_dim(graph)
     # --cache-len is moot for a model without a cache, unless kv-cache is about to insert one
-    cached = _has_cache(graph) or ctx.options.kv_cache
+    cached = ctx.options.kv_cache or _has_cache(graph, ctx)
     cache = ctx.options.cache_len if cached else None
     if cache is not None:
         total = int(seq) + int(cache) if isinstance(seq, int) or str(seq).isdigit() else f"{cache}+{seq}"
     elif total is None:
-        total = "total_sequence_length" if _has_cache(graph) else seq
+        total = "total_sequence_length" if cached else seq
     return [1, 1, seq, total]
 
 
@@ -281,7 +274,7 @@ def implicit_mask(graph: gs.Graph, ctx: Context, span: int | None = None) -> Imp
     """An export with no mask input whose attention adds a mask computed from shapes alone (e.g.
     transformers' generation export: Range/LessOrEqual/Not/Cast/Mul, the row guard from
     Less(ReduceSum)): that mask becomes the standard additive input; None when there is none."""
-    if _mask_input(graph) is not None or any(t.name == NAME for t in graph.inputs):
+    if padding_mask(graph) is not None or any(t.name == NAME for t in graph.inputs):
         return None
     rule = FromShapes()
     rule.span = span
@@ -352,9 +345,9 @@ def _readers_left(graph: gs.Graph, old: gs.Tensor, sites, guards) -> list[gs.Nod
     return list({id(n): n for n in needed}.values())
 
 
-def _shape_source(graph: gs.Graph) -> gs.Tensor | None:
+def _shape_source(graph: gs.Graph, ctx: Context) -> gs.Tensor | None:
     """A 2-D graph input with the mask's shape [batch, seq]: input_ids, when there is no cache."""
-    if _has_cache(graph):
+    if _has_cache(graph, ctx):
         return None
     return next((t for t in graph.inputs if t.name == "input_ids" and t.shape is not None and len(t.shape) == 2), None)
 
@@ -364,8 +357,8 @@ def _seq_dim(graph: gs.Graph):
     return ids.shape[1] if ids is not None and ids.shape is not None else "sequence_length"
 
 
-def _has_cache(graph: gs.Graph) -> bool:
-    return any("past" in t.name or "cache" in t.name for t in graph.inputs)
+def _has_cache(graph: gs.Graph, ctx: Context) -> bool:
+    return ctx.analysis(decoder_map, graph).cached
 
 
 def _feed_seq(feeds: dict) -> int | None:

@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from mtkc.errors import InputError
-from mtkc.manager.pass_manager import builtin_passes
+from mtkc.pipeline.registry import builtin_passes
 from mtkc.target import capability
 from mtkc.target.capability import Catalog, load_table
 

@@ -44,9 +44,10 @@ def test_check_reports_per_op_reasons(capsys, exported, family, exporter):
                             "largest_partition", "graphs", "unbound", "bound", "picked", "suggested", "on_cpu", "nodes",
                             "coverage", "unsupported", "quantization", "decoder"]
     assert (report["sdk"], report["arch"]) == ("9.0", "mdla6.1")
-    assert (report["decoder"]["layers"], report["decoder"]["kinds"], report["decoder"]["refused"]) == \
-        (2, ["attention+SwiGLU"], [])
-    assert "decoder     2 layers (2×attention+SwiGLU); cache none" in text
+    assert (report["decoder"]["layers"], report["decoder"]["kinds"], report["decoder"]["refused"],
+            report["decoder"]["family"]) == (2, ["attention+SwiGLU"], [], "Qwen2/Llama-style")
+    assert "decoder     Qwen2/Llama-style, 2 layers (2×attention+SwiGLU); cache none\n" \
+        "            layers 0-1: 2 norms, q/k/v, rope, sdpa, SwiGLU\n" in text
     assert 0 < report["coverage"]["raw"] < report["coverage"]["compiled"] <= 1 and report["partitions"] >= 1
     assert sum(g["count"] for g in report["unsupported"]) < report["nodes"]
     found = groups(report)

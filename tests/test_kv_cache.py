@@ -10,6 +10,7 @@ import onnx_graphsurgeon as gs
 import pytest
 import torch
 
+from mtkc.analysis.decoder import decoder_map
 from mtkc.errors import InputError
 from mtkc.ir import model as mmodel
 from mtkc.options import of
@@ -175,7 +176,7 @@ def test_layer_boundaries_are_the_residual_stream(exported):
     model = mmodel.load(exported("llama", "legacy17", cache=True))
     graph = model.graph
     kv_cache.KvCache().run(graph, Context(None, {"kv_cache": True}, model.root))
-    layers = kv_cache.layer_caches(graph)
+    layers = kv_cache.layer_caches(graph, decoder_map(graph))
     bounds = kv_cache.layer_boundaries(graph, layers)
     assert set(bounds) == {0, 1}
     assert bounds[0] is not bounds[1]

@@ -20,7 +20,8 @@ from onnx import numpy_helper as nh
 
 from mtkc.ir.execute import run
 from mtkc.ir.model import load
-from mtkc.manager.pass_manager import load_registry, resolve_pipeline, run_pipeline
+from mtkc.manager.pass_manager import resolve_pipeline, run_pipeline
+from mtkc.pipeline.registry import load_registry
 from mtkc.passes import attention, attention_fused, embedding, mask, rmsnorm, rope, rope_fused, swiglu
 from mtkc.rewrite.pass_api import Context
 from mtkc.rewrite.pattern import Const, Op, Or, Var, match, near

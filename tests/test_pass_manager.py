@@ -14,7 +14,8 @@ from onnx import TensorProto, helper
 from mtkc.errors import InputError, MismatchError, MtkcError, PassError
 from mtkc.ir import execute
 from mtkc.ir.model import load
-from mtkc.manager.pass_manager import Pipeline, builtin_passes, load_registry, resolve_pipeline, run_pipeline
+from mtkc.manager.pass_manager import Pipeline, resolve_pipeline, run_pipeline
+from mtkc.pipeline.registry import builtin_passes, load_registry
 from mtkc.options import Layer, Options, build
 from mtkc.passes import pipelines
 from mtkc.passes.pipelines import default_pipeline

@@ -103,7 +103,8 @@ def test_left_padding_still_matches(exported):
 
 def test_cache_len_on_a_no_cache_export_is_ignored(exported):
     """--cache-len with a no-cache model: the mask input stays [1,1,T,T] (was T+C: int64-to-int32 failed)."""
-    from mtkc.manager.pass_manager import load_registry, resolve_pipeline
+    from mtkc.manager.pass_manager import resolve_pipeline
+    from mtkc.pipeline.registry import load_registry
     from mtkc.manager.pass_manager import run_pipeline as run_passes
     from mtkc.target.capability import load_table
 

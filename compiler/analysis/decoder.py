@@ -32,12 +32,12 @@ FUSED_ATTENTION = {"Attention", "MultiHeadAttention", "GroupQueryAttention", "Pa
 PROJECTIONS = {"MatMul", "Gemm", "MatMulNBits", "FusedMatMul", "MatMulInteger", "DynamicQuantizeMatMul"}
 NORMS = {"SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "RMSNormalization",
          "LayerNormalization", "SkipLayerNormalization"}
-_QDQ = {"QuantizeLinear", "DequantizeLinear"}  # a QDQ model's activations, transparent to the structure
-_SCORE_PATH = {"Add", "Where", "Mul", "Div", "Tanh", "Cast", "Sub", "Identity", "Reshape", *_QDQ}
-_PROB_PATH = {"Cast", "Where", "IsNaN", "Identity", "Dropout", "Reshape", *_QDQ}
+QDQ = {"QuantizeLinear", "DequantizeLinear"}  # a QDQ model's activations, transparent to the structure
+_SCORE_PATH = {"Add", "Where", "Mul", "Div", "Tanh", "Cast", "Sub", "Identity", "Reshape", *QDQ}
+_PROB_PATH = {"Cast", "Where", "IsNaN", "Identity", "Dropout", "Reshape", *QDQ}
 _LAYOUT = {"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Identity", "Cast", "Tile", "Concat",
            "Mul", "Div", "Add", "Sub", "Neg", "Slice", "Split", "RotaryEmbedding", "Gather",
-           "DequantizeLinear", "QuantizeLinear", *NORMS}  # NORMS: per-head q/k norm (Qwen3, Gemma 3) as one op
+           "DequantizeLinear", "QuantizeLinear", *NORMS}  # NORMS: a q/k norm as one op (Qwen3, Gemma 3)
 _ALL_INPUTS = {"Concat", "Mul", "Div", "Add", "Sub", "RotaryEmbedding"}  # other layout ops: data input 0 only
 _OUT_PATH = {"Transpose", "Reshape", "Cast", "Identity", "Squeeze", "Unsqueeze", "Where"}
 _GLU = {"Sigmoid": "SwiGLU", "QuickGelu": "SwiGLU", "Swish": "SwiGLU", "Erf": "GeGLU", "Gelu": "GeGLU",
@@ -51,12 +51,15 @@ class Layer:
 
     index: int
     anchor: str  # the Softmax or fused attention node
+    position: int = 0  # rank among all candidates (recognised and refused), in graph order
     attention: str = ""  # "softmax" | the fused op type
     q: str | None = None
     k: str | None = None
     v: str | None = None
     fused_qkv: bool = False
+    qk_norm: bool = False  # a norm on the query after its projection
     rope: str | None = None  # the rotation on q ("fused" inside the attention op)
+    partial_rotary: bool = False  # RoPE on the first dims of each head only (Phi-4-mini)
     scores: str | None = None
     scale: str | None = None
     softcap: str | None = None
@@ -72,22 +75,42 @@ class Layer:
     mlp: str | None = None  # SwiGLU | GeGLU | GELU | SiLU | None (not recognised)
     fused_gate_up: bool = False
     refused: str | None = None
+    block: str | None = None  # the part a refusal is about: scores | probabilities | projections
     nodes: dict[str, gs.Node] = field(default_factory=dict, repr=False, compare=False)  # name -> node, for passes
 
     @property
     def kind(self) -> str:
         return f"{'attention' if self.attention == 'softmax' else self.attention}+{self.mlp or '?'}"
 
+    def blocks(self) -> str:
+        """What was recognised, compactly ("2 norms, q/k/v, rope, sdpa, cache, SwiGLU"), or the refusal."""
+        if self.refused:
+            return f"{self.block} refused: {self.refused}"
+        rope = ("partial rope" if self.partial_rotary else "rope (in the op)" if self.rope == "fused" else "rope") \
+            if self.rope else "no rope"
+        parts = [f"{len(self.norms)} norms" + (" (sandwich)" if len(self.norms) >= 4 else ""),
+                 "fused qkv" if self.fused_qkv else "q/k/v", "q/k norm" if self.qk_norm else "", rope,
+                 "sdpa" if self.attention == "softmax" else self.attention, "soft-cap" if self.softcap else "",
+                 f"window {self.window}" if self.window else "", "cache" if self.cache else "",
+                 (self.mlp or "MLP not recognised") + (" (fused gate-up)" if self.fused_gate_up else "")]
+        return ", ".join(p for p in parts if p)
+
+    def refusal(self) -> str:
+        """One line naming a refused candidate, its block and the reason (for errors and `check`)."""
+        return f"decoder layer {self.index} ('{self.anchor}'): {self.block} refused: {self.refused}"
+
     def to_json(self) -> dict:
         if self.refused:
-            return {"index": self.index, "anchor": self.anchor, "refused": self.refused}
-        return {k: v for k, v in self.__dict__.items() if k != "nodes" and v not in (None, [], {}, False)} | {"kind": self.kind}
+            return {"index": self.index, "anchor": self.anchor, "block": self.block, "refused": self.refused}
+        return {k: v for k, v in self.__dict__.items() if k not in ("nodes", "position")
+                and v not in (None, [], {}, False)} | {"kind": self.kind}
 
 
 @dataclass
 class DecoderMap:
     layers: list[Layer] = field(default_factory=list)  # recognised ones, numbered 0..N-1
-    refused: list[Layer] = field(default_factory=list)  # candidates that are not a decoder layer
+    refused: list[Layer] = field(default_factory=list)  # candidates that are not a decoder layer, numbered by
+    # their rank among all candidates (the layer they would be when every earlier candidate is one)
     token_input: str | None = None
     embedding: str | None = None
     embedding_scale: str | None = None
@@ -97,6 +120,7 @@ class DecoderMap:
     mask_source: str | None = None
     position_source: str | None = None
     cache_layout: str = "none"
+    family: str | None = None  # recognised from structure (`_family`); None without layers
 
     def to_json(self) -> dict:
         glob = {k: v for k, v in self.__dict__.items() if k not in ("layers", "refused")}
@@ -104,38 +128,55 @@ class DecoderMap:
                 **glob, "per_layer": [layer.to_json() for layer in self.layers],
                 "refused": [layer.to_json() for layer in self.refused]}
 
+    @property
+    def cached(self) -> bool:
+        """Whether the graph has a KV cache: a layer whose key or value path reads a past input."""
+        return any(layer.past for layer in self.layers)
+
     def summary(self) -> str:
         kinds = ", ".join(f"{sum(x.kind == k for x in self.layers)}×{k}" for k in sorted({x.kind for x in self.layers}))
-        text = f"{len(self.layers)} layers ({kinds or 'none'}); cache {self.cache_layout}"
-        return text + (f"; {len(self.refused)} refused ({self.refused[0].anchor}: {self.refused[0].refused})"
-                       if self.refused else "")
+        text = f"{self.family + ', ' if self.family else ''}{len(self.layers)} layers ({kinds or 'none'}); " \
+               f"cache {self.cache_layout}"
+        return text + (f"; {len(self.refused)} refused" if self.refused else "")
+
+    def per_layer(self) -> list[str]:
+        """One line per run of identical layers, in graph order ("layers 0-23: ...", "layer 3: scores refused: ...")."""
+        runs: list[list] = []
+        for layer in sorted(self.layers + self.refused, key=lambda x: x.position):
+            text = layer.blocks()
+            if runs and runs[-1][2] == text and not layer.refused:
+                runs[-1][1] = layer.position
+            else:
+                runs.append([layer.position, layer.position, text])
+        return [f"layer{'s' if a != b else ''} {a}{f'-{b}' if a != b else ''}: {text}" for a, b, text in runs]
 
     def contract_names(self, graph: gs.Graph) -> dict[str, str]:
         """{export's name: contract name} of the cache inputs, presents and logits, for the layers whose
         cache is `Concat(past, new, axis 2)` into a graph output (what `kv-cache` names; verify pairs
         an export's own I/O with the compiled graph's by it)."""
-        outputs, names = {t.name for t in graph.outputs}, {}
+        names = {}
         for layer in self.layers:
             concats = {k: layer.nodes.get(layer.cache.get(k)) for k in ("key", "value")}
-            presents = {k: _present(c, outputs) for k, c in concats.items() if c is not None and c.op == "Concat"}
-            if len(presents) != 2 or None in presents.values() or set(layer.past) != {"key", "value"}:
+            presents = {k: present_of(c, graph.outputs) for k, c in concats.items() if c is not None and c.op == "Concat"}
+            if len(presents) != 2 or any(p is None for p in presents.values()) or set(layer.past) != {"key", "value"}:
                 continue
             for kind, present in presents.items():
                 names[layer.past[kind]] = f"past_{kind}_{layer.index}"
-                names[present] = f"present_{kind}_{layer.index}"
+                names[present.name] = f"present_{kind}_{layer.index}"
         rest = [o.name for o in graph.outputs if o.name not in names]
         if names and rest and "logits" not in rest:
             names[rest[0]] = "logits"
         return names
 
 
-def _present(concat: gs.Node, outputs: set[str]) -> str | None:
-    """The graph output a cache Concat's result is: itself, or its QuantizeLinear -> DequantizeLinear."""
+def present_of(concat: gs.Node, outputs: list[gs.Tensor]) -> gs.Tensor | None:
+    """The graph output a cache Concat's result is: itself, or its QuantizeLinear -> DequantizeLinear
+    (a QDQ model)."""
     tensor = concat.outputs[0]
     for _ in range(3):
-        if tensor.name in outputs:
-            return tensor.name
-        nxt = [n for n in tensor.outputs if n.op in ("QuantizeLinear", "DequantizeLinear")]
+        if any(t is tensor for t in outputs):
+            return tensor
+        nxt = [n for n in tensor.outputs if n.op in QDQ]
         if not nxt:
             return None
         tensor = nxt[0].outputs[0]
@@ -143,29 +184,51 @@ def _present(concat: gs.Node, outputs: set[str]) -> str | None:
 
 
 class Refused(Exception):
-    pass
+    def __init__(self, block: str, reason: str) -> None:
+        super().__init__(reason)
+        self.block = block
 
 
 def decoder_map(graph: gs.Graph) -> DecoderMap:
     """The DecoderMap of `graph` (see the module docstring)."""
-    dm, index = DecoderMap(), 0
+    dm = DecoderMap()
     inputs = {id(t) for t in graph.inputs}
     for node in graph.nodes:
         fused = node.op in FUSED_ATTENTION and (node.domain == "com.microsoft" or node.op == "Attention")
         if node.op != "Softmax" and not fused:
             continue
-        layer = Layer(index, node.name)
+        layer = Layer(len(dm.layers), node.name, len(dm.layers) + len(dm.refused))
         try:
             (_fused(layer, node, inputs) if fused else _softmax(layer, node, inputs))
             _block(layer, node if fused else layer.nodes[layer.pv])
         except Refused as why:
-            layer.refused, layer.index, layer.nodes = str(why), -1, {}
+            layer.refused, layer.block, layer.nodes, layer.index = str(why), why.block, {}, layer.position
             dm.refused.append(layer)
             continue
         dm.layers.append(layer)
-        index += 1
     _globals(dm, graph)
+    dm.family = _family(dm, any(n.domain == "com.microsoft" for n in graph.nodes))
     return dm
+
+
+def _family(dm: DecoderMap, exporter_fused: bool) -> str | None:
+    """The model family the layers' structure says, "decoder (unknown family)" when it says none.
+    `exporter_fused`: com.microsoft ops present (onnxruntime's optimiser, the genai builder), which
+    pack q/k/v and gate/up whatever the family, so packing is no evidence there."""
+    if not dm.layers:
+        return None
+    has = lambda name: any(getattr(x, name) for x in dm.layers)  # noqa: E731
+    mlps = {x.mlp for x in dm.layers}
+    if has("softcap") and "SwiGLU" not in mlps:
+        return "Gemma 2"  # attention soft-cap (with GeGLU and sandwich norms)
+    if has("qk_norm"):
+        return {"GeGLU": "Gemma 3", "SwiGLU": "Qwen3"}.get(" ".join(sorted(m or "" for m in mlps)),
+                                                          "decoder (unknown family)")
+    if mlps != {"SwiGLU"} or has("fused_qkv") and exporter_fused:
+        return "decoder (unknown family)"
+    if has("fused_qkv"):
+        return "Phi-4-mini" if has("partial_rotary") else "Phi-3/Phi-3.5"
+    return "Qwen2/Llama-style"
 
 
 # -- attention ------------------------------------------------------------------------------------
@@ -184,12 +247,13 @@ def _softmax(layer: Layer, softmax: gs.Node, inputs: set[int]) -> None:
     for _ in range(REACH):  # up to the scores MatMul
         node = _producer(t)
         if node is None:
-            raise Refused(f"Softmax '{softmax.name}': its input '{t.name}' is not computed from a MatMul(Q, Kᵀ)")
+            raise Refused("scores", f"Softmax '{softmax.name}': its input '{t.name}' is not computed from a "
+                          "MatMul(Q, Kᵀ)")
         if node.op == "MatMul":
             break
         if node.op not in _SCORE_PATH:
-            raise Refused(f"Softmax '{softmax.name}': {node.op} '{node.name}' between the scores and the Softmax "
-                          "(expected MatMul(Q, Kᵀ) through scale, soft-cap, mask)")
+            raise Refused("scores", f"Softmax '{softmax.name}': {node.op} '{node.name}' between the scores and the "
+                          "Softmax (expected MatMul(Q, Kᵀ) through scale, soft-cap, mask)")
         variable = [x for x in node.inputs if constant_of(x) is None]
         if node.op == "Tanh":
             layer.softcap = node.name
@@ -201,7 +265,7 @@ def _softmax(layer: Layer, softmax: gs.Node, inputs: set[int]) -> None:
         t = node.inputs[1] if node.op == "Where" else next((x for x in node.inputs if _producer(x) is not None
                                                              and _from_matmul(x)), node.inputs[0])
     else:
-        raise Refused(f"Softmax '{softmax.name}': no MatMul(Q, Kᵀ) within {REACH} nodes above it")
+        raise Refused("scores", f"Softmax '{softmax.name}': no MatMul(Q, Kᵀ) within {REACH} nodes above it")
     scores = node
     layer.scores = _remember(layer, scores)
     t, pv = softmax.outputs[0], None
@@ -213,7 +277,7 @@ def _softmax(layer: Layer, softmax: gs.Node, inputs: set[int]) -> None:
             break
         t = step.outputs[0]
     if pv is None:
-        raise Refused(f"Softmax '{softmax.name}': its probabilities reach no MatMul(P, V)")
+        raise Refused("probabilities", f"Softmax '{softmax.name}': its probabilities reach no MatMul(P, V)")
     layer.pv = _remember(layer, pv)
     layer.q, _, rope = _projection(scores.inputs[0], inputs, layer)
     layer.rope = rope
@@ -221,8 +285,8 @@ def _softmax(layer: Layer, softmax: gs.Node, inputs: set[int]) -> None:
     layer.v, _, _ = _projection(pv.inputs[1], inputs, layer, "value")
     if not (layer.q and layer.k and layer.v):
         missing = [k for k in "qkv" if not getattr(layer, k)]
-        raise Refused(f"Softmax '{softmax.name}': no {'/'.join(missing)} projection (a MatMul of a weight) "
-                      f"within {REACH} nodes above its scores")
+        raise Refused("projections", f"Softmax '{softmax.name}': no {'/'.join(missing)} projection (a MatMul of "
+                      f"a weight) within {REACH} nodes above its scores")
     layer.fused_qkv = layer.q == layer.k == layer.v
 
 
@@ -243,15 +307,23 @@ def _from_matmul(t: gs.Tensor) -> bool:
 def _weight(node: gs.Node) -> bool:
     if node.op not in PROJECTIONS or len(node.inputs) < 2:
         return False
-    if node.op != "MatMul":
-        return True
-    w, steps = node.inputs[1], 0
-    while constant_of(w) is None and steps < 4:
-        up = _producer(w)
-        if up is None or up.op not in ("Transpose", "DequantizeLinear", "Cast", "Reshape"):
+    return node.op != "MatMul" or _from_constants(node.inputs[1])
+
+
+def _from_constants(t: gs.Tensor, budget: int = 12) -> bool:
+    """`t` is computed from constants alone within `budget` nodes (a weight, or its dequantise
+    subgraph: int4-weights' Cast · Sub · Mul · Reshape of int8 codes and block scales)."""
+    stack, seen = [t], 0
+    while stack:
+        x = stack.pop()
+        if constant_of(x) is not None:
+            continue
+        node = _producer(x)
+        seen += 1
+        if node is None or seen > budget:
             return False
-        w, steps = up.inputs[0], steps + 1
-    return constant_of(w) is not None
+        stack += list(node.inputs)
+    return True
 
 
 def _projection(t: gs.Tensor, inputs: set[int], layer: Layer, kind: str | None = None):
@@ -267,20 +339,49 @@ def _projection(t: gs.Tensor, inputs: set[int], layer: Layer, kind: str | None =
             if node is None or id(node) in seen:
                 continue
             seen.add(id(node))
-            qdq += node.op in _QDQ
+            qdq += node.op in QDQ
             if _weight(node):
                 return _remember(layer, node), node.inputs[0], rope
+            if kind is None and _is_norm(node):  # the query's own norm (Qwen3, Gemma 3)
+                layer.qk_norm = True
             if node.op not in _LAYOUT:
                 continue
-            if node.op == "RotaryEmbedding" or (node.op in ("Add", "Sub") and rope is None
-                                                and all((_producer(i) or gs.Node("")).op == "Mul" for i in node.inputs)):
+            if _rotated(node):
                 rope = rope or node.name
+            if kind is None and node.op == "Concat" and node.attrs.get("axis") in (-1, 3) \
+                    and any(_rotated(_producer(i)) for i in node.inputs):  # cat(rope(q[..., :r]), q[..., r:])
+                layer.partial_rotary |= any(not _rotated(_producer(i)) and _last_dim(i) > 0 for i in node.inputs)
             if kind and node.op == "Concat" and len(node.inputs) == 2 and node.attrs.get("axis") in (2, -2):
                 layer.cache.setdefault(kind, _remember(layer, node))
             data = node.inputs if node.op in _ALL_INPUTS else node.inputs[:1]
             following += [i for i in data if constant_of(i) is None]
         frontier = following
     return None, None, rope
+
+
+def _rotated(node: gs.Node | None) -> bool:
+    """A RoPE rotation: RotaryEmbedding, or x·cos ± rotate_half(x)·sin (an Add/Sub of two Muls)."""
+    return node is not None and (node.op == "RotaryEmbedding" or node.op in ("Add", "Sub") and all(
+        (_producer(i) or gs.Node("")).op == "Mul" for i in node.inputs))
+
+
+def _last_dim(t: gs.Tensor) -> int:
+    """The static last dim of `t`, -1 when not known (a TorchScript export declares few shapes)."""
+    return t.shape[-1] if t.shape and isinstance(t.shape[-1], int) else -1
+
+
+def _is_norm(node: gs.Node) -> bool:
+    """A norm op, or the 1/sqrt(mean(x²) + eps) of a decomposed RMSNorm/LayerNorm."""
+    if node.op in NORMS:
+        return True
+    up = _producer(node.inputs[0]) if node.op in ("Sqrt", "Reciprocal") else None
+    for _ in range(3):
+        if up is None or up.op not in ("ReduceMean", "Add", "Sqrt", "Cast"):
+            return False
+        if up.op == "ReduceMean":
+            return True
+        up = _producer(next((x for x in up.inputs if constant_of(x) is None), up.inputs[0]))
+    return False
 
 
 def _fused(layer: Layer, node: gs.Node, inputs: set[int]) -> None:
@@ -303,7 +404,7 @@ def _fused(layer: Layer, node: gs.Node, inputs: set[int]) -> None:
     if float(node.attrs.get("softcap", 0.0)) > 0:
         layer.softcap = node.name
     if not layer.q:
-        raise Refused(f"{node.op} '{node.name}': no query projection (a MatMul of a weight) above it")
+        raise Refused("projections", f"{node.op} '{node.name}': no query projection (a MatMul of a weight) above it")
 
 
 # -- residual stream and MLP -----------------------------------------------------------------------
@@ -325,10 +426,13 @@ def _block(layer: Layer, attention_out: gs.Node) -> None:
         step = next((u for u in users if u.op in _OUT_PATH or _weight(u) or (u.op == "Add" and
                      any(constant_of(x) is not None for x in u.inputs))), None)
         if step is None:
-            return
+            break
         t = step.outputs[0]
-    else:
-        return
+    if add is None and skip is None:  # a norm between o_proj and the residual add (Gemma's sandwich norms)
+        add, t = _residual_add(attention_out)
+        if add is None:
+            return
+        layer.norms.append(_producer(t).name)
     if add is not None:
         layer.residual_in = next(x.name for x in add.inputs if x is not t)
         mid, post_input = add.outputs[0], None
@@ -338,14 +442,43 @@ def _block(layer: Layer, attention_out: gs.Node) -> None:
             return
         mid, post_input = skip.outputs[3], skip.outputs[0]
         layer.norms.append(skip.name)
+    post_mlp = None
     users = mid.outputs + [c for u in mid.outputs if u.op == "Cast" for c in u.outputs[0].outputs]  # legacy: a Cast
     out = next((u for u in users if u.op == "Add"), None)
     nxt = next((u for u in users if u.op in ("SkipSimplifiedLayerNormalization", "SkipLayerNormalization")), None)
     if out is not None:
         layer.residual_out = out.outputs[0].name
+        last = _producer(next((x for x in out.inputs if x is not mid and _producer(x) is not None), out.inputs[0]))
+        while last is not None and last.op == "Cast":
+            last = _producer(last.inputs[0])
+        if last is not None and not _weight(last) and last.op != "Add":  # a post-MLP norm
+            post_mlp = last.name
     elif nxt is not None and len(nxt.outputs) > 3 and nxt.outputs[3].name:
         layer.residual_out = nxt.outputs[3].name
     _mlp(layer, mid, post_input, out or nxt)
+    if out is not None and post_mlp is not None and len(layer.norms) == 3:
+        layer.norms.append(post_mlp)
+
+
+def _residual_add(start: gs.Node) -> tuple[gs.Node | None, gs.Tensor | None]:
+    """The first Add below `start` joining its branch with a tensor from outside it (the residual
+    stream), breadth first along data edges within REACH nodes: (that Add, its input from the branch)."""
+    below, frontier, seen = {id(t) for t in start.outputs}, list(start.outputs), 0
+    while frontier and seen < REACH:
+        t = frontier.pop(0)
+        for u in t.outputs:
+            seen += 1
+            if u.op in ("Shape", "Size"):
+                continue
+            if u.op == "Add" and len(u.inputs) == 2 and all(constant_of(x) is None for x in u.inputs):
+                other = u.inputs[1] if u.inputs[0] is t else u.inputs[0]
+                if id(other) not in below and _producer(t) is not None:
+                    return u, t
+            for o in u.outputs:
+                if id(o) not in below:
+                    below.add(id(o))
+                    frontier.append(o)
+    return None, None
 
 
 def _mlp(layer: Layer, mid: gs.Tensor, post: gs.Tensor | None, stop: gs.Node | None) -> None:
@@ -412,7 +545,8 @@ def _globals(dm: DecoderMap, graph: gs.Graph) -> None:
         norm = _producer(node.inputs[0])
         dm.final_norm = norm.name if norm is not None else None
     names = {t.name for t in graph.inputs}
-    dm.mask_source = next((n for n in MASK_NAMES if n in names), None) or _mask_input(dm, graph)
+    mask = padding_mask(graph)
+    dm.mask_source = next((n for n in MASK_NAMES if n in names), None) or (mask.name if mask is not None else None)
     dm.position_source = "position_ids" if "position_ids" in names else None
     if dm.layers and dm.layers[0].cache:
         first = dm.layers[0]
@@ -423,10 +557,7 @@ def _globals(dm: DecoderMap, graph: gs.Graph) -> None:
         dm.cache_layout = f"{shape} ({first.attention} past/present)" if fused else f"{shape} (Concat on axis 2)"
 
 
-def _mask_input(dm: DecoderMap, graph: gs.Graph) -> str | None:
-    """An integer rank-2 input that is neither the tokens nor the positions (the 2-D padding mask)."""
-    for t in graph.inputs:
-        if t.name != dm.token_input and t.shape is not None and len(t.shape) == 2 and t.name != "position_ids" \
-                and t.dtype is not None and np.dtype(t.dtype).kind in "iu":
-            return t.name
-    return None
+def padding_mask(graph: gs.Graph) -> gs.Variable | None:
+    """The 2-D integer padding-mask input ([batch, total]: an exporter's `attention_mask`), else None."""
+    return next((t for t in graph.inputs if "mask" in t.name and t.dtype is not None
+                 and np.issubdtype(np.dtype(t.dtype), np.integer) and t.shape is not None and len(t.shape) == 2), None)

@@ -83,6 +83,7 @@ def render(report: CheckReport, width: int | None = None) -> str:
                      + "".join(f", {n} {op}" for op, n in {**q.get("dynamic", {}), **q.get("qoperator", {})}.items()))
     if report.decoder is not None:
         lines.append(f"decoder     {escape(report.decoder.summary())}")
+        lines += [f"            {escape(line)}" for line in report.decoder.per_layer()]
     if report.unbound:
         lines.append(f"unbound     {escape(', '.join(report.unbound))} (bind with --seq-len/--cache-len/--batch/--input-shape)")
     if a.groups:

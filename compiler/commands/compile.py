@@ -8,7 +8,7 @@ import logging
 from mtkc.commands.options import add_common, add_llm, add_pipeline, add_shapes, add_target, from_args, with_sdk
 from mtkc.commands.partitioning import add_converter, add_placement
 from mtkc.display import escape
-from mtkc.manager.pass_manager import load_registry
+from mtkc.pipeline.registry import load_registry
 from mtkc.pipeline.compile import compile_model, default_output
 
 log = logging.getLogger("mtkc")
@@ -75,14 +75,16 @@ def cpu_summary(variants) -> list[str]:
 
 
 def explain(result, name: str) -> str:
-    """The misses of pass `name`: one line per refused site with its first failing condition."""
+    """The misses of pass `name`: one line per refused site with its first failing condition; then
+    the decoder layers the DecoderMap refused, with their block and reason."""
+    refused = [escape(x.refusal()) for x in result.build.decoder.refused]
     records = [r for r in result.records if r.name == name]
     if not records:
         why = next((s["reason"] for s in result.report["skipped"] if s["name"] == name), "not in the pipeline")
-        return f"{name}: did not run ({why})"
+        return "\n".join([f"{name}: did not run ({why})", *refused])
     lines = []
     several = len(result.variants) > 1
     for r in records:
         lines.append(f"{name}{f' [{r.graph}]' if several else ''}: {r.rewrites} rewrites, {len(r.misses)} misses")
         lines += [f"  {escape(m.node)}: {escape(m.reason)}" for m in r.misses]
-    return "\n".join(lines)
+    return "\n".join(lines + refused)

@@ -7,7 +7,8 @@ import json
 
 from mtkc.commands.options import add_common, add_pipeline, from_args
 from mtkc.manager.guard import guarded
-from mtkc.manager.pass_manager import load_registry, resolve_pipeline
+from mtkc.manager.pass_manager import resolve_pipeline
+from mtkc.pipeline.registry import load_registry
 from mtkc.options import Options
 from mtkc.passes.pipelines import default_pipeline
 from mtkc.rewrite.pass_api import Context

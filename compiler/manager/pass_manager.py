@@ -1,6 +1,7 @@
 """The pass manager: which passes exist, which run, in what order, and what each one did.
 
-Registry:  built-ins (every module of `mtkc.passes`, imported in name order), third-party
+Registry:  built-ins (every module of the package `Builtins` names, imported in name order: mtkc's
+           own, `mtkc.pipeline.registry`, so the manager imports no pass), third-party
            passes from the `mtkc.passes` entry-point group (listed always, run only when
            enabled by `--plugin NAME`, config `plugins`, or named in `--passes`), and
            `--plugin FILE.py|module` (its `@register`ed passes run by default).
@@ -24,17 +25,16 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Callable
 
 import onnx_graphsurgeon as gs
 
-from mtkc import passes as pass_package
 from mtkc.errors import InputError, MtkcError, PassError
 from mtkc.ir import shapes
 from mtkc.manager import invariants
 from mtkc.manager.guard import guarded, one_line
 from mtkc.manager.verify_each import EachVerifier
-from mtkc.passes.pipelines import default_pipeline
 from mtkc.rewrite.pass_api import REGISTRY, Context, Miss, Pass, PassResult, collecting, describe
 
 log = logging.getLogger("mtkc.passes")
@@ -45,6 +45,15 @@ ENTRY_POINT_GROUP = "mtkc.passes"
 # --- registry -------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Builtins:
+    """Where the built-in passes are: a package whose every module registers passes, and the
+    default pipeline (pass names) per SDK version."""
+
+    package: ModuleType
+    default: Callable[[str | None], list[str]]
+
+
 @dataclass
 class Registry:
     """Every known pass by name; `enabled` are plugin passes that join the default pipeline."""
@@ -52,6 +61,7 @@ class Registry:
     passes: dict[str, type[Pass]]
     entry_points: dict[str, importlib.metadata.EntryPoint] = field(default_factory=dict)
     enabled: list[str] = field(default_factory=list)
+    default: Callable[[str | None], list[str]] = lambda sdk: []  # the default pipeline per SDK
 
     def names(self) -> list[str]:
         return list(self.passes) + [n for n in self.entry_points if n not in self.passes]
@@ -64,9 +74,9 @@ class Registry:
         return self.passes[name]
 
 
-def load_registry(plugins: list[str] | tuple[str, ...] = ()) -> Registry:
+def load_registry(plugins: list[str] | tuple[str, ...], builtins: Builtins) -> Registry:
     """Built-ins, discovered entry points, and the given plugins (files or modules or EP names)."""
-    passes = dict(builtin_passes())
+    passes = dict(builtin_passes(builtins))
     eps = {}
     for ep in _entry_points():
         if ep.name in passes:
@@ -74,7 +84,7 @@ def load_registry(plugins: list[str] | tuple[str, ...] = ()) -> Registry:
                 f"pass name '{ep.name}' is registered twice: by {describe(passes[ep.name])} and by {_ep_origin(ep)}"
             )
         eps[ep.name] = ep
-    registry = Registry(passes, eps)
+    registry = Registry(passes, eps, default=builtins.default)
     for spec in plugins:
         if spec in eps and not spec.endswith(".py"):
             registry.get(spec)
@@ -92,11 +102,12 @@ def load_registry(plugins: list[str] | tuple[str, ...] = ()) -> Registry:
 
 
 @functools.cache
-def builtin_passes() -> dict[str, type[Pass]]:
-    """Import every module of `mtkc.passes` (name order); its passes, in module then definition order."""
+def builtin_passes(builtins: Builtins) -> dict[str, type[Pass]]:
+    """Import every module of the built-ins' package (name order); its passes, in module then definition order."""
+    package = builtins.package
     modules = [
-        f"mtkc.passes.{info.name}"
-        for info in sorted(pkgutil.iter_modules(pass_package.__path__), key=lambda m: m.name)
+        f"{package.__name__}.{info.name}"
+        for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name)
         if info.name != "pipelines"
     ]
     for module in modules:
@@ -171,6 +182,7 @@ def _load_entry_point(ep: importlib.metadata.EntryPoint) -> type[Pass]:
 class Pipeline:
     passes: list[Pass]
     skipped: list[tuple[str, str]]  # (name, why) for passes not run
+    bind: type[Pass] | None = None  # the registry's `bind-shapes`: --verify-each binds its inputs with it
 
     @property
     def names(self) -> list[str]:
@@ -191,7 +203,7 @@ def resolve_pipeline(
         names = list(passes)
     else:
         names = []
-        for name in default_pipeline(ctx.sdk):
+        for name in registry.default(ctx.sdk):
             if name not in registry.passes:
                 raise InputError(f"default pipeline: pass '{name}' is not registered; "
                                  f"passes: {', '.join(sorted(registry.names()))}")
@@ -215,7 +227,7 @@ def resolve_pipeline(
             continue
         chosen.append(instance)
     _check_order(registry, chosen)
-    return Pipeline(chosen, skipped)
+    return Pipeline(chosen, skipped, registry.passes.get("bind-shapes"))
 
 
 def _check_order(registry: Registry, chosen: list[Pass]) -> None:
@@ -281,7 +293,7 @@ def run_pipeline(
     invariants.restore(graph, None, InputError)
     invariants.check(graph, None, error=InputError)
     invariants.check_dtypes(graph, None, InputError)
-    verifier = EachVerifier(graph, ctx, seed) if verify_each else None
+    verifier = EachVerifier(graph, ctx, seed, pipeline.bind) if verify_each else None
     records = []
     contract = invariants.io_contract(graph)  # names, dtypes, shapes of graph inputs/outputs
     after = None  # loose tensors after the previous pass, when known (nothing below edits the graph)

@@ -15,7 +15,6 @@ from mtkc.errors import InputError, MismatchError, PassError
 from mtkc.ir import execute
 from mtkc.ir.compare import compare as errors
 from mtkc.manager.guard import guarded, one_line
-from mtkc.passes.bind_shapes import BindShapes
 from mtkc.rewrite.pass_api import Context, Pass
 
 ATOL, RTOL = 1e-5, 1e-4
@@ -25,15 +24,16 @@ class EachVerifier:
     """Compare the graph after each changing pass with the input model, on seeded inputs.
 
     The input model runs once, up front, on seeded inputs whose symbolic dims are bound the way
-    the pipeline binds them (the `bind-shapes` pass on a copy, with the compile options).
+    the pipeline binds them (the registry's `bind-shapes` pass on a copy, with the compile options).
     Passes that change the I/O contract map feeds and expected outputs through
     `Pass.map_feeds` / `Pass.map_outputs`.
     """
 
-    def __init__(self, graph: gs.Graph, ctx: Context, seed: int = 0, atol: float = ATOL, rtol: float = RTOL):
+    def __init__(self, graph: gs.Graph, ctx: Context, seed: int = 0, bind: type[Pass] | None = None,
+                 atol: float = ATOL, rtol: float = RTOL):
         self.ctx, self.atol, self.rtol = ctx, atol, rtol
         self.pending: list[Pass] = []
-        inputs = _bound_inputs(graph, ctx)
+        inputs = _bound_inputs(graph, ctx, bind)
         self.feeds = _positions_follow_cache(execute.seeded_inputs(gs.Graph(inputs=inputs), seed))
         try:
             self.expected = execute.run(gs.export_onnx(graph, do_type_check=False), self.feeds, ctx.root)
@@ -67,12 +67,12 @@ class EachVerifier:
                 raise MismatchError(f"--verify-each: pass '{p.name}' changed the numbers: output '{name}' {problem}")
 
 
-def _bound_inputs(graph: gs.Graph, ctx: Context) -> list[gs.Variable]:
-    """The graph inputs with dims bound as the `bind-shapes` pass binds them (on a copy)."""
+def _bound_inputs(graph: gs.Graph, ctx: Context, bind: type[Pass] | None) -> list[gs.Variable]:
+    """The graph inputs with dims bound as the `bind-shapes` pass (`bind`, the registry's) binds them (on a copy)."""
     copy = graph.copy()
-    bind = BindShapes()
-    if bind.applies(ctx):
-        bind.run(copy, ctx)
+    binder = bind() if bind is not None else None
+    if binder is not None and binder.applies(ctx):
+        binder.run(copy, ctx)
     return [gs.Variable(t.name, t.dtype, list(t.shape or [])) for t in copy.inputs]
 
 

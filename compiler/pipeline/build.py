@@ -20,15 +20,17 @@ from typing import Callable
 
 import onnx_graphsurgeon as gs
 
+from mtkc.analysis.decoder import DecoderMap, decoder_map
 from mtkc.backend.stitch import Split, split
 from mtkc.display import Progress, escape
 from mtkc.errors import InputError
 from mtkc.ir import shapes
 from mtkc.ir.counts import count
 from mtkc.ir.model import Model
-from mtkc.manager.pass_manager import PassRecord, Pipeline, load_registry, resolve_pipeline, run_pipeline
+from mtkc.manager.pass_manager import PassRecord, Pipeline, resolve_pipeline, run_pipeline
+from mtkc.pipeline.registry import load_registry
 from mtkc.options import Options
-from mtkc.passes.bind_shapes import BindShapes, has_past, input_roles
+from mtkc.passes.bind_shapes import BindShapes, has_past, roles_of
 from mtkc.passes.kv_cache import variants as plan_variants
 from mtkc.rewrite.pass_api import Context, Pass
 from mtkc.target.assess import Assessment, assess
@@ -81,23 +83,25 @@ class Build:
     bound: dict[str, int] = field(default_factory=dict)  # options set to LLM_DEFAULTS
     picked: dict[str, str] = field(default_factory=dict)  # choice -> "value: why"
     suggested: dict[str, str] = field(default_factory=dict)  # a choice the user made that places worse
+    decoder: DecoderMap | None = None  # the input's decoder layers (`mtkc.analysis.decoder`)
 
 
 def build(model: Model, options: Options, table, observe: Callable[[Pass, gs.Graph], None] | None = None,
-          raw: bool = True, suggest: bool = False) -> Build:
+          raw: bool = True, suggest: bool = False, decoder: DecoderMap | None = None) -> Build:
     """Everything compile decides for `model` (its graph is the first variant's, rewritten in place).
 
     `observe(pass, graph)` runs after every pass of the first graph (`run_pipeline`). `suggest`:
     also try the other value of a choice the user made, and say when it places better (`check`).
+    `decoder`: the input's DecoderMap, when the caller has it.
     """
-    result = Build(options, [])
+    result = Build(options, [], decoder=decoder or decoder_map(model.graph))
     if raw and isinstance(table, Table):
         result.raw, result.unbound = raw_assessment(model.fresh(), table, options)
     binds = options.passes is None or "bind-shapes" in options.passes
     if binds and "bind-shapes" not in options.skip_passes:
-        result.bound = llm_defaults(model.graph, options)
+        result.bound = llm_defaults(model.graph, options, result.decoder)
     options = result.options = options.replace(**result.bound)
-    plan = plan_variants(model.graph, options)
+    plan = plan_variants(model.graph, options, result.decoder)
     first, *rest = plan
     result.variants.append(_best_first(model, first.name, options.replace(**first.options), table, observe, result,
                                        suggest))
@@ -173,16 +177,16 @@ def bind_and_type(graph: gs.Graph, ctx: Context) -> list[str]:
     return sorted({d for t in graph.inputs for d in t.shape or () if isinstance(d, str) and not d.isdigit()})
 
 
-def llm_defaults(graph: gs.Graph, options: Options) -> dict[str, int]:
+def llm_defaults(graph: gs.Graph, options: Options, dm: DecoderMap) -> dict[str, int]:
     """LLM_DEFAULTS for the shape options the user left unset whose dims are symbolic in the
     model's inputs (none when the user binds inputs by name with --input-shape)."""
     if options.input_shapes:
         return {}
-    roles = set()
+    named, roles = roles_of(graph, dm), set()
     for t in graph.inputs:
         shape = list(t.shape or [])
-        roles |= {role for axis, role in input_roles(t.name, len(shape)).items() if not isinstance(shape[axis], int)}
-    past = has_past(graph)
+        roles |= {role for axis, role in named[t.name].items() if not isinstance(shape[axis], int)}
+    past = has_past(named)
     wanted = {"seq_len": bool(roles & {"seq", "total"}), "cache_len": past and bool(roles & {"cache", "total"}),
               "batch": "batch" in roles}
     return {key: LLM_DEFAULTS[key] for key, want in wanted.items() if want and getattr(options, key) is None}

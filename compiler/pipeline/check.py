@@ -19,7 +19,7 @@ import onnx_graphsurgeon as gs
 from mtkc.analysis.decoder import DecoderMap, decoder_map
 from mtkc.errors import MtkcError
 from mtkc.ir.model import load
-from mtkc.manager.pass_manager import load_registry
+from mtkc.pipeline.registry import load_registry
 from mtkc.options import Options, of
 from mtkc.passes.qdq import quantization_state
 from mtkc.pipeline.build import Build, build, raw_assessment
@@ -183,7 +183,7 @@ def check(model_path, sdk: str, options: Options | dict[str, Any] | None = None,
     report = CheckReport(table.version, table.arch, str(model_path), raw, unbound,
                          quantization=quantization_state(raw_model.graph), decoder=decoder)
     try:
-        result = build(model, options, table, observe=track, raw=False, suggest=True)
+        result = build(model, options, table, observe=track, raw=False, suggest=True, decoder=decoder)
     except MtkcError as exc:  # the raw verdicts still stand; say why compile's outcome is missing
         log.warning("mtkc: compile would stop: %s; the verdict below is the input's", exc)
         return report

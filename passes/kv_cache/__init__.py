@@ -6,8 +6,8 @@ WeightWriter. Pipeline order: `mask-early` and `kv-cache` first (before bind-sha
 computes its shapes with Shape ops, so an inserted past concat propagates), `kv-cache-io` and
 `layer-chunks` last. The cache contract is that of MediaTek's LLM runtime (ExecuTorch mediatek/).
 
-    detect      the cache found by structure (an input concatenated on the sequence axis whose
-                result is a graph output and feeds attention), `layer_caches` after naming
+    (detect)    the cache found by structure in the DecoderMap's layers: `mtkc.analysis.cache`
+                (find_caches, layer_caches after naming, cache_head_dims), which bind-shapes reads too
     mask_early  `mask-early`: a no-cache export's mask replaced before the cache goes in
     insert      splicing a cache into an export without one
     cache_pass  `kv-cache`: contract names, bound head dims, the additive mask of mask-less exports
@@ -16,9 +16,9 @@ computes its shapes with Shape ops, so an inserted past concat propagates), `kv-
     plan        the variants (prefill/decode per chunk) and the chunk ranges
 """
 
-from mtkc.passes.kv_cache.cache_pass import KvCache, cache_head_dims
+from mtkc.analysis.cache import KINDS, LayerCache, cache_concat, cache_head_dims, find_caches, layer_caches
+from mtkc.passes.kv_cache.cache_pass import KvCache
 from mtkc.passes.kv_cache.chunks import LayerChunks, layer_boundaries
-from mtkc.passes.kv_cache.detect import KINDS, LayerCache, cache_concat, find_caches, layer_caches
 from mtkc.passes.kv_cache.insert import insert_cache
 from mtkc.passes.kv_cache.mask_early import NEW_TOKEN_MASK, MaskEarly
 from mtkc.passes.kv_cache.io import KvCacheIo, contract_order

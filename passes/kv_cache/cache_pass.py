@@ -18,13 +18,13 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc.analysis.decoder import decoder_map
 from mtkc.contract import io
 from mtkc.contract import mask as contract_mask
 from mtkc.errors import InputError
-from mtkc.passes.gqa import cache_inputs
-from mtkc.passes.kv_cache.detect import KINDS, LayerCache, find_caches
+from mtkc.analysis.cache import KINDS, LayerCache, cache_head_dims, find_caches, probe_shapes
 from mtkc.ir.graph_utils import Names as NodeNames
-from mtkc.passes.kv_cache.insert import insert_cache, position_input, probe_shapes
+from mtkc.passes.kv_cache.insert import insert_cache, position_input
 from mtkc.passes.kv_cache.plan import DEFAULT_CACHE_LEN, kv_on
 from mtkc.passes.mask import additive_shape, implicit_mask
 from mtkc.rewrite.pass_api import Context, Pass, PassResult, register
@@ -40,7 +40,8 @@ class KvCache(Pass):
 
     def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
 
-        layers = find_caches(graph)
+        dm = ctx.analysis(decoder_map, graph)
+        layers = find_caches(graph, dm)
         notes = []
         self.inserted: dict[str, list] = {}  # no-cache export: new past inputs -> [Hkv, D]
         self.implicit = None
@@ -58,7 +59,7 @@ class KvCache(Pass):
                                  "--cache-len in a static cache), became input 'position_ids'")
         else:
             _require_mask_early(graph)
-            layers = insert_cache(graph, ctx.root)
+            layers = insert_cache(graph, dm, ctx.root)
             notes.append(f"no cache I/O in the export: inserted past concat in {len(layers)} attention layers")
             self.inserted = {l.past[k].name: [l.past[k].shape[1], l.past[k].shape[3]] for l in layers for k in KINDS}
             for t in graph.inputs:  # mask-early's [1,1,T,T] (per window): the cache slots come first
@@ -99,31 +100,12 @@ def _bind_head_dims(graph: gs.Graph, layers: list[LayerCache], ctx: Context) -> 
     pasts = [p for layer in layers for p in layer.past.values()]
     if all(p.shape is not None and len(p.shape) == 4 and all(isinstance(p.shape[a], int) for a in (1, 3)) for p in pasts):
         return  # static already (TorchScript): no probe of the whole graph
-    dims = cache_head_dims(graph, ctx.root)
+    dims = cache_head_dims(graph, layers, ctx.root)
     for layer in layers:
         for past in layer.past.values():
             if past.shape is not None and past.name in dims:
                 past.shape = [dims[past.name][a // 2] if a in (1, 3) and not isinstance(d, int) else d
                               for a, d in enumerate(past.shape)]
-
-
-def cache_head_dims(graph: gs.Graph, root=None) -> dict[str, tuple[int, int]]:
-    """{cache input name: (kv heads, head dim)}, found by structure whatever the exporter called the
-    dims (dynamo's `s35`, onnxruntime-genai's `kv_cache_dim`): from the shape of the entries a
-    Concat appends to the input, or from the GroupQueryAttention that consumes it."""
-
-    found = dict(cache_inputs(graph))
-    layers = find_caches(graph)
-    pasts = [layer.past[k] for layer in layers for k in KINDS]
-    if not pasts:
-        return found
-    probe = probe_shapes(graph, root, keep={id(p) for p in pasts})
-    for layer in layers:
-        for kind in KINDS:
-            shape = probe.get(layer.concat[kind].inputs[1].name)
-            if shape is not None and len(shape) == 4 and all(isinstance(shape[a], int) for a in (1, 3)):
-                found[layer.past[kind].name] = (shape[1], shape[3])
-    return found
 
 
 def _name_io(graph: gs.Graph, layers: list[LayerCache]) -> dict[str, str]:

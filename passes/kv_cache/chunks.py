@@ -13,10 +13,10 @@ import networkx as nx
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from mtkc.analysis.decoder import DecoderMap, decoder_map
+from mtkc.analysis.decoder import decoder_map
 from mtkc.errors import InputError
 from mtkc.ir.execute import run
-from mtkc.passes.kv_cache.detect import KINDS, LayerCache
+from mtkc.analysis.cache import KINDS, LayerCache, layer_caches
 from mtkc.passes.kv_cache.io import contract_order
 from mtkc.passes.kv_cache.plan import chunk_ranges, kv_on
 from mtkc.rewrite.pass_api import Context, Pass, PassResult, register
@@ -33,7 +33,7 @@ class LayerChunks(Pass):
 
     def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
         n, k = ctx.options.chunks or 1, ctx.options.chunk or 0
-        layers = map_layers(ctx.analysis(decoder_map, graph), graph)
+        layers = layer_caches(graph, ctx.analysis(decoder_map, graph))
         ranges = chunk_ranges(len(layers), n)
         if not 0 <= k < n:
             raise InputError(f"chunk {k} out of range for --chunks {n}")
@@ -79,20 +79,6 @@ class LayerChunks(Pass):
 
     def map_outputs(self, outputs, ctx):
         return {k: v for k, v in outputs.items() if k in self.kept}
-
-
-def map_layers(dm: DecoderMap, graph: gs.Graph) -> list[LayerCache]:
-    """The DecoderMap's layers with their cache I/O; layer i must read `past_<kind>_<i>` (one numbering)."""
-    inputs = {t.name: t for t in graph.inputs}
-    layers = []
-    for layer in dm.layers:
-        want = {kind: f"past_{kind}_{layer.index}" for kind in KINDS}
-        if layer.past != want or set(layer.cache) != set(KINDS):
-            raise InputError(f"decoder layer {layer.index} ({layer.anchor}) reads cache inputs {layer.past}, "
-                             f"expected {want}")
-        layers.append(LayerCache(layer.index, {k: inputs[want[k]] for k in KINDS},
-                                 {k: layer.nodes[layer.cache[k]] for k in KINDS}))
-    return layers
 
 
 def _hidden_shape(tensor: gs.Tensor, ctx: Context):

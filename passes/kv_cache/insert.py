@@ -3,8 +3,8 @@
 `mask-early` has run (its additive [1,1,T,T] mask replaced the [B,1,T,T] construction),
 K and V are cut where they enter attention (after RoPE, before repeat_kv),
 `Concat(past, new, axis=2)` is inserted, the repeat_kv/Kᵀ shape targets are made length-free,
-and RoPE reads a new `position_ids` input. Refuses (InputError) a model with no Softmax attention
-(fused ops named).
+and RoPE reads a new `position_ids` input. The attentions are the DecoderMap's layers; refuses
+(InputError) a layer the map refused, and a model with no Softmax attention (fused ops named).
 """
 
 from __future__ import annotations
@@ -12,20 +12,17 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from mtkc.contract import io
+from mtkc.analysis.decoder import DecoderMap
 from mtkc.errors import InputError
 from mtkc.ir import shapes
 from mtkc.ir.constants import values as values_of
 from mtkc.ir.graph_utils import Names as NodeNames
-from mtkc.passes.kv_cache.detect import ATTENTION_OPS, KINDS, LayerCache
+from mtkc.analysis.cache import KINDS, PROBE_SEQ, LayerCache, probe_shapes
 
-PROBE_SEQ = 97  # a sequence length no model dimension is likely to equal
 _LAYOUT = {"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Identity", "Cast", "Tile"}
-_SCORE_PATH = {"Add", "Where", "Mul", "Div", "Cast", "Sub", "Tanh"}  # Tanh: Gemma 2's soft-capping
-_PROB_PATH = {"Cast", "Where", "IsNaN", "Identity"}
 
 
-def insert_cache(graph: gs.Graph, root=None) -> list[LayerCache]:
+def insert_cache(graph: gs.Graph, dm: DecoderMap, root=None) -> list[LayerCache]:
     """Cut K and V where they enter each attention and splice `Concat(past, new, axis=2)` in.
 
         MatMul(Q, ·Kᵀ) ─ [Add mask | Where | Mul] ─ Softmax ─ [Where | Cast]* ─ MatMul(·, V)
@@ -38,25 +35,22 @@ def insert_cache(graph: gs.Graph, root=None) -> list[LayerCache]:
     *query* length (dynamo, hf), which no longer equals the KV length.
     Positions: a no-cache export counts them from 0 (Range); the Range feeding cos/sin is
     replaced by a new `position_ids` input, so decode rows get their real position.
+    The attentions are the DecoderMap's layers (`dm`, of `graph` as it is): a candidate it refused is
+    refused here with its reason (its K/V would stay uncached, so decode would not see the past).
     """
-    shapes.infer(graph, root)
-    sites, anchors = [], []  # anchors: the attention MatMuls (Q·Kᵀ, P·V) each entry enters
-    for softmax in graph.nodes:
-        if softmax.op != "Softmax":
-            continue
-        qk = _find(softmax.inputs[0], _SCORE_PATH, up=True)
-        pv = _find(softmax.outputs[0], _PROB_PATH, up=False)
-        if qk is None or pv is None:
-            continue
-        sites.append((_kv_entry(qk.inputs[1]), _kv_entry(pv.inputs[1])))
-        anchors.append((qk, pv))
-    if not sites:
-        fused = sorted({n.op for n in graph.nodes if n.op in ATTENTION_OPS})
+    if dm.refused:
+        raise InputError(f"{dm.refused[0].refusal()}; so kv-cache cannot tell where its K/V enter attention "
+                         "to cache them (export with cache I/O, past_key_values, or without that op)")
+    fused = sorted({x.attention for x in dm.layers if x.attention != "softmax"})
+    if not dm.layers or fused:
         raise InputError(
             "model has no KV-cache inputs (past_key_values.*) and no attention (MatMul -> Softmax -> MatMul) "
             "whose K/V could be cut; cannot build prefill/decode graphs"
             + (f" (attention is fused as {', '.join(fused)}: export with cache I/O, or without ORT fusions)"
                if fused else ""))
+    shapes.infer(graph, root)
+    anchors = [(x.nodes[x.scores], x.nodes[x.pv]) for x in dm.layers]  # the attention MatMuls Q·Kᵀ, P·V
+    sites = [(_kv_entry(qk.inputs[1]), _kv_entry(pv.inputs[1])) for qk, pv in anchors]
     probe = probe_shapes(graph, root)
     names = NodeNames(graph)
     layers = []
@@ -89,22 +83,6 @@ def insert_cache(graph: gs.Graph, root=None) -> list[LayerCache]:
     return layers
 
 
-def probe_shapes(graph: gs.Graph, root=None, keep: set[int] = frozenset()) -> dict[str, list]:
-    """Tensor shapes with every symbolic input dim set to 1 (batch) or PROBE_SEQ (the rest):
-    static Hkv and D where symbolic inference leaves them unknown (TorchScript's runtime
-    reshapes), and the sequence axis recognisable by its value. Inputs in `keep` (ids: cache
-    inputs) have only their batch and length axes set; their other symbols stay unknown."""
-    kept = {t.name for t in graph.inputs if id(t) in keep}
-    probe = graph.copy()
-    for t in probe.inputs:
-        t.shape = [d if isinstance(d, int) or (t.name in kept and axis not in (0, 2))
-                   else (1 if axis == 0 else PROBE_SEQ) for axis, d in enumerate(t.shape or [])]
-        if io.is_mask(t.name) and len(t.shape) == 4:  # additive, no past yet: [1, 1, S, S]
-            t.shape = [1, 1, PROBE_SEQ, PROBE_SEQ]
-    shapes.infer(probe, root)
-    return {name: t.shape for name, t in probe.tensors().items()}
-
-
 def _free_kv_length(full: gs.Variable, probe: dict[str, list], names: NodeNames) -> None:
     """Make every Reshape/Expand from the cache concat to the attention MatMul length-agnostic."""
     frontier = list(full.outputs)
@@ -120,21 +98,6 @@ def _free_kv_length(full: gs.Variable, probe: dict[str, list], names: NodeNames)
             node.inputs[1] = gs.Constant(names.new(f"{node.name}/kv_shape"), np.array(dims, np.int64))
             node.attrs.pop("allowzero", None)
         frontier += node.outputs[0].outputs
-
-
-def _find(tensor: gs.Tensor, through: set[str], up: bool, depth: int = 6) -> gs.Node | None:
-    """The nearest MatMul upstream (`up`) of / downstream of `tensor`, via `through` ops only."""
-    frontier = [tensor]
-    for _ in range(depth):
-        nxt = []
-        for t in frontier:
-            for node in t.inputs if up else t.outputs:
-                if node.op == "MatMul" and (up or node.inputs[0] is t):
-                    return node
-                if node.op in through:
-                    nxt += [x for x in node.inputs if isinstance(x, gs.Variable)] if up else list(node.outputs)
-        frontier = nxt
-    return None
 
 
 def _kv_entry(tensor: gs.Tensor) -> gs.Variable:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from mtkc.analysis.decoder import decoder_map
 from mtkc.contract import cache as layouts
 from mtkc.contract import io as contract_io
 from mtkc.errors import InputError
 from mtkc.ir.graph_utils import Names as NodeNames
-from mtkc.passes.kv_cache.detect import KINDS, layer_caches
+from mtkc.analysis.cache import KINDS, layer_caches
 from mtkc.passes.kv_cache.plan import cache_options, kv_on
 from mtkc.rewrite.pass_api import Context, Pass, PassResult, register
 
@@ -34,7 +35,7 @@ class KvCacheIo(Pass):
         position = {o.name: i for i, o in enumerate(graph.outputs)}  # list.index per layer is quadratic
         names = NodeNames(graph)
         rewrites = 0
-        for layer in layer_caches(graph):
+        for layer in layer_caches(graph, ctx.analysis(decoder_map, graph)):
             for kind in KINDS:
                 name = f"present_{kind}_{layer.index}"
                 concat = layer.concat[kind]

@@ -19,8 +19,9 @@ from dataclasses import replace
 
 import onnx_graphsurgeon as gs
 
+from mtkc.analysis.decoder import decoder_map
 from mtkc.contract import io
-from mtkc.passes.kv_cache.detect import find_caches
+from mtkc.analysis.cache import find_caches
 from mtkc.passes.kv_cache.plan import DEFAULT_CACHE_LEN, DEFAULT_SEQ_LEN, kv_on
 from mtkc.passes.mask import Mask, implicit_mask
 from mtkc.rewrite.pass_api import Context, PassResult, register
@@ -38,7 +39,7 @@ class MaskEarly(Mask):
 
     def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
         self.implicit, self.kept = None, None
-        if find_caches(graph):
+        if find_caches(graph, ctx.analysis(decoder_map, graph)):
             return PassResult(notes=["the export has cache I/O: the mask pass runs in its place"])
         early = replace(ctx, options=replace(ctx.options, kv_cache=False, cache_len=None))  # no cache yet: [T, T]
         self.span = (ctx.options.seq_len or DEFAULT_SEQ_LEN) + (ctx.options.cache_len or DEFAULT_CACHE_LEN)  # windows

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import onnx_graphsurgeon as gs
 
-from mtkc.analysis.decoder import decoder_map
+from mtkc.analysis.decoder import DecoderMap, decoder_map
 from mtkc.contract import cache as layouts
 from mtkc.display import escape
 from mtkc.errors import InputError
@@ -43,16 +43,16 @@ def chunk_ranges(layers: int, chunks: int) -> list[range]:
     return [range(a, b) for a, b in itertools.pairwise(bounds)]
 
 
-def variants(graph: gs.Graph, options: dict) -> list[Variant]:
+def variants(graph: gs.Graph, options: dict, dm: DecoderMap | None = None) -> list[Variant]:
     """The graphs to produce: `model`, or prefill/decode (per chunk) for a KV-cache decoder.
 
     Layers and "has a cache" are the DecoderMap's (`mtkc.analysis.decoder`): a refused candidate
-    is no layer; a layer whose k/v path reads a past input has a cache."""
-    kv, dm = options.kv_cache, decoder_map(graph)
+    is no layer; a layer whose k/v path reads a past input has a cache. `dm`: the graph's map, when known."""
+    kv, dm = options.kv_cache, dm or decoder_map(graph)
     if kv is not False:  # --no-kv-cache: the cache inputs stay inputs, as asked
         _refuse_unrecognised_cache(graph, dm)
     if kv is None:
-        kv = any(layer.past for layer in dm.layers)
+        kv = dm.cached
     if not kv:
         return [Variant("model", {})]
     seq_len = options.seq_len or DEFAULT_SEQ_LEN
