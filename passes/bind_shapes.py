@@ -44,7 +44,7 @@ from mtkc.display import escape
 from mtkc.errors import InputError
 from mtkc.ir import shapes
 from mtkc.options import Options
-from mtkc.analysis.cache import cache_head_dims, find_caches
+from mtkc.analysis.cache import appended_caches, cache_head_dims
 from mtkc.rewrite.pass_api import Context, Miss, Pass, PassResult, register
 
 SYMBOL_ROLES = {
@@ -238,7 +238,7 @@ def _head_dims(graph, ctx: Context) -> dict[str, tuple[int, int]]:
     if not any(len(t.shape or ()) == 4 and not all(_static(t.shape[a]) for a in (1, 3)) for t in graph.inputs):
         return {}
 
-    return cache_head_dims(graph, find_caches(graph, ctx.analysis(decoder_map, graph)), ctx.root)
+    return cache_head_dims(graph, appended_caches(graph), ctx.root)  # a refused layer's cache is bound too
 
 
 def _roles(t, heads: dict, named: dict) -> dict[int, str]:

@@ -180,23 +180,36 @@ def layer_caches(graph: gs.Graph, dm: DecoderMap) -> list[LayerCache]:
 
 
 # -- cache head dims ------------------------------------------------------------------------------
-def cache_head_dims(graph: gs.Graph, layers: list[LayerCache], root=None) -> dict[str, tuple[int, int]]:
+def cache_head_dims(graph: gs.Graph, pasts: list[tuple[gs.Variable, gs.Node]], root=None) -> dict[str, tuple[int, int]]:
     """{cache input name: (kv heads, head dim)}, found by structure whatever the exporter called the
-    dims (dynamo's `s35`, onnxruntime-genai's `kv_cache_dim`): from the shape of the entries a
-    Concat appends to the input (`layers`: `find_caches`), or from the GroupQueryAttention that
-    consumes it."""
+    dims (dynamo's `s35`, onnxruntime-genai's `kv_cache_dim`): from the shape of the entries each
+    (past, Concat) of `pasts` appends (`find_caches`' layers, or `appended_caches`), or from the
+    GroupQueryAttention that consumes it."""
 
     found = dict(gqa_caches(graph))
-    pasts = [layer.past[k] for layer in layers for k in KINDS]
     if not pasts:
         return found
-    probe = probe_shapes(graph, root, keep={id(p) for p in pasts})
-    for layer in layers:
-        for kind in KINDS:
-            shape = probe.get(layer.concat[kind].inputs[1].name)
-            if shape is not None and len(shape) == 4 and all(isinstance(shape[a], int) for a in (1, 3)):
-                found[layer.past[kind].name] = (shape[1], shape[3])
+    probe = probe_shapes(graph, root, keep={id(p) for p, _ in pasts})
+    for past, concat in pasts:
+        shape = probe.get(concat.inputs[1].name)
+        if shape is not None and len(shape) == 4 and all(isinstance(shape[a], int) for a in (1, 3)):
+            found[past.name] = (shape[1], shape[3])
     return found
+
+
+def appended_caches(graph: gs.Graph) -> list[tuple[gs.Variable, gs.Node]]:
+    """(input, Concat) of every rank-4 graph input a Concat appends to, whichever layer (if any) it
+    belongs to: for binding its dims, which a cache the decoder analysis refused needs too."""
+    pairs = []
+    for t in graph.inputs:
+        concat = cache_concat(t) if len(t.shape or ()) == 4 else None
+        if concat is not None and len(concat.inputs) == 2:
+            pairs.append((t, concat))
+    return pairs
+
+
+def layer_pasts(layers: list[LayerCache]) -> list[tuple[gs.Variable, gs.Node]]:
+    return [(layer.past[k], layer.concat[k]) for layer in layers for k in KINDS]
 
 
 def probe_shapes(graph: gs.Graph, root=None, keep: set[int] = frozenset()) -> dict[str, list]:

@@ -22,7 +22,7 @@ from mtkc.analysis.decoder import decoder_map
 from mtkc.contract import io
 from mtkc.contract import mask as contract_mask
 from mtkc.errors import InputError
-from mtkc.analysis.cache import KINDS, LayerCache, cache_head_dims, find_caches, probe_shapes
+from mtkc.analysis.cache import KINDS, LayerCache, cache_head_dims, find_caches, layer_pasts, probe_shapes
 from mtkc.ir.graph_utils import Names as NodeNames
 from mtkc.passes.kv_cache.insert import insert_cache, position_input
 from mtkc.passes.kv_cache.plan import DEFAULT_CACHE_LEN, kv_on
@@ -100,7 +100,7 @@ def _bind_head_dims(graph: gs.Graph, layers: list[LayerCache], ctx: Context) -> 
     pasts = [p for layer in layers for p in layer.past.values()]
     if all(p.shape is not None and len(p.shape) == 4 and all(isinstance(p.shape[a], int) for a in (1, 3)) for p in pasts):
         return  # static already (TorchScript): no probe of the whole graph
-    dims = cache_head_dims(graph, layers, ctx.root)
+    dims = cache_head_dims(graph, layer_pasts(layers), ctx.root)
     for layer in layers:
         for past in layer.past.values():
             if past.shape is not None and past.name in dims:
