@@ -316,8 +316,8 @@ def run_pipeline(
             invariants.check(graph, p.name, loose)
             contract = invariants.check_io(graph, p, contract)  # undeclared I/O change -> PassError (the
             invariants.check_dtypes(graph, p)                   # cause of a dtype mix it would also leave)
-        else:  # a built-in pass that rewrote nothing left the graph as it was (--verify-each checks that)
-            after = loose
+        else:  # a built-in pass that rewrote nothing kept the nodes as they were (it may have typed tensors)
+            after = invariants.loose_tensors(graph) if invariants.shapes_bound(graph) else None
             contract = invariants.check_io(graph, p, contract)
         record = PassRecord(
             p.name, p.origin, result.rewrites, nodes_before, len(graph.nodes),
