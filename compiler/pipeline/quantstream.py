@@ -65,7 +65,9 @@ class Store:
 
     def __init__(self, out: Path, folder: Path):
         self.folder = Path(folder)
-        self.sessions = Sessions(out, optimize=False, roots=(self.folder,), scratch=self.folder)
+        # no arena: every quantised session dequantises its weights as it runs (the LM head's alone is
+        # 0.5 GB at 0.5B); an arena per session would keep each one's peak
+        self.sessions = Sessions(out, optimize=False, roots=(self.folder,), scratch=self.folder, arena=False)
         self._absmax: dict[tuple, np.ndarray] = {}
         self._codes: dict[tuple, onnx.TensorProto] = {}
         self._files = itertools.count()

@@ -31,10 +31,11 @@ class Sessions:
     """Sessions by path (each opened once), external weights under `root` mapped once for all."""
 
     def __init__(self, root: str | Path, optimize: bool = True, seconds: tuple[float, float] | None = None,
-                 roots: tuple[Path, ...] = (), scratch: Path | None = None):
+                 roots: tuple[Path, ...] = (), scratch: Path | None = None, arena: bool = True):
         self.root = Path(root).resolve()
         self.roots = {self.root, *(Path(r).resolve() for r in roots)}  # folders whose files are mapped
         self.scratch = Path(scratch) if scratch is not None else None  # where `model` may put its stand-in file
+        self.arena = arena  # onnxruntime's CPU arena keeps each session's peak; without it freed tensors go back
         self.optimize = optimize
         self.seconds = seconds or (None, None)  # deadlines to load, to run (default: `mtkc.ir.execute`'s)
         self._sessions: dict[Path, Bounded] = {}
@@ -87,6 +88,7 @@ class Sessions:
         # pairs into integer kernels, which a reference for NPU graphs must not do
         options = session_options(self.optimize)
         options.add_session_config_entry(NO_PREPACKING, "1")
+        options.enable_cpu_mem_arena = self.arena
         mapped = set()
         for tensor in proto.graph.initializer:
             view = self.view(tensor, folder)
