@@ -10,7 +10,9 @@ each one alone under `flock FILE`):
             compiled whole graphs in plain onnxruntime sessions (default options), nothing stored
   calibrate N seeded prompts of 8..300 token ids (the field report's mix), K greedy decode steps
             each; disk of OUT/calibration
-  verify    --quant of each of --schemes; with --plan also A16W4 --plan (quant-plan.json)
+  verify    --quant of each of --schemes with --min-cosine 0 (random weights are under any bar, and
+            under it verify would add the per-unit sensitivity: 25 more simulations, not what is timed
+            here); with --plan also A16W4 --plan (quant-plan.json, the sensitivity included)
   convert   --quant A16W8 with the stand-in converter (tests/standin_converter.py)
 Writes benchmarks/quant_results-L<layers>.json after every step. Random weights are not trained
 weights: the cosines say how the simulation behaves at this size, not how a real Qwen2.5 quantises.
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             json_out = args.work / f"{scheme}-{'plan' if extra else 'plain'}.json"
             cmd = mtkc + ["verify", str(out), "--quant", scheme, "--samples", str(args.eval_prompts), "--new-tokens",
                           str(args.new_tokens), "--calibration-samples", str(args.calibration_samples), "--format", "json",
-                          *extra]
+                          *(extra or ["--min-cosine", "0"])]
             with open(json_out, "w") as sink:
                 row = measure(cmd, limit, timeout=args.timeout, stdout=sink)
             data = json.loads(json_out.read_text()) if json_out.stat().st_size else {}
