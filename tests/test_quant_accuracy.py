@@ -15,6 +15,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,7 @@ from mtkc.backend.calibration_data import folder_name, sample_files
 from mtkc.pipeline.calibrate import calibrate, npu_partitions
 from mtkc.pipeline.compile import compile_model
 from mtkc.pipeline.quantsearch import run_plan
-from mtkc.pipeline.quantsim import SampleReader, simulate
+from mtkc.pipeline.quantsim import SampleReader, Simulation, simulate
 from mtkc.pipeline.verify import load_manifest
 from mtkc.runtime.prompts import Prompt
 
@@ -274,6 +275,15 @@ def test_smoothing_changes_no_float_output_and_is_reported(out, sim):
     for feed, ref in zip(feeds, want):
         for a, b in zip(after.run(names, feed), ref):
             assert np.abs(a - b).max() <= 1e-4 * max(1.0, np.abs(b).max())
+    with tempfile.TemporaryDirectory() as tmp:  # the simulation's own copy: weights read from and written to files
+        simulation = Simulation(out, Path(tmp), smooth=0.5)
+        copy, _ = simulation.float_copy(graph, part, Path(tmp), (simulation.compiled_mask, simulation.compiled_mask))
+        assert any(t.name.endswith(".smooth") for t in copy.graph.initializer)
+        streamed = simulation.store.sessions.model(copy, Path(tmp), "smoothed")
+        for feed, ref in zip(feeds, want):
+            for a, b in zip(streamed.run(names, feed), ref):
+                assert np.abs(a - b).max() <= 1e-4 * max(1.0, np.abs(b).max())
+        del streamed, simulation
     smoothed = sim("A8W8", smooth=0.5)
     assert smoothed.smooth == 0.5 and 0.9 < _cos(smoothed) <= 1
 
