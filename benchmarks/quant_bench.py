@@ -4,7 +4,7 @@
         [--layers 24] [--lock /work/bigrun.lock] [--plan]
 
 Steps (each its own child process, wall and peak RSS measured by `bench.measure`; with `--lock`,
-each one alone under `flock FILE`):
+each one alone holding that flock, its wait not timed):
   compile   the 0.5B-dimension export (legacy17 + KV cache; `bench.ensure_export`), T=128, C=512
   floor     the same prompts' forward passes (prefill calls, then K greedy decode calls) through the
             compiled whole graphs in plain onnxruntime sessions (default options), nothing stored
@@ -21,6 +21,8 @@ weights: the cosines say how the simulation behaves at this size, not how a real
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import random
 import sys
@@ -64,6 +66,20 @@ def floor(out: Path, prompts: Path, decode_steps: int) -> dict:
     return {"forward_s": round(time.perf_counter() - start, 1), "prompts": len(ids)}
 
 
+@contextlib.contextmanager
+def held(lock: str | None):
+    """The real-size lock held for one step (`flock` semantics; the wait is not in the step's time)."""
+    if not lock:
+        yield
+        return
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None and sys.argv[1:2] == ["--floor-child"]:
         print(json.dumps(floor(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]))))
@@ -90,8 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     model = ensure_export(args.cache, "0.5b", args.layers)
     args.work.mkdir(parents=True, exist_ok=True)
     out = args.work / f"out-L{args.layers}"
-    locked = ["flock", args.lock] if args.lock else []
-    mtkc = locked + [sys.executable, "-m", "mtkc"]
+    mtkc = [sys.executable, "-m", "mtkc"]
+
+    def timed(cmd: list[str], **kwargs) -> dict:
+        with held(args.lock):
+            return measure(cmd, limit, **kwargs)
+
     steps = set(args.steps.split(","))
     path = HERE / f"quant_results-L{args.layers}.json"
     report = json.loads(path.read_text()) if path.exists() else {}
@@ -105,23 +125,23 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
 
     if args.recompile or not (out / "manifest.json").exists():
-        rows["compile"] = measure(mtkc + ["compile", str(model), "--sdk", "8.0", "--seq-len", "128", "--cache-len", "512",
-                                          "-o", str(out), "--no-convert", "--overwrite"], limit)
+        rows["compile"] = timed(mtkc + ["compile", str(model), "--sdk", "8.0", "--seq-len", "128", "--cache-len", "512",
+                                        "-o", str(out), "--no-convert", "--overwrite"])
         save()
     prompts = prompts_file(args.work / "prompts.jsonl", args.prompts)
     if "floor" in steps:
         floor_json = args.work / "floor.json"
         with open(floor_json, "w") as sink:
-            rows["floor"] = measure(locked + [sys.executable, __file__, "--floor-child", str(out), str(prompts),
-                                              str(args.decode_steps)], limit, timeout=args.timeout, stdout=sink)
+            rows["floor"] = timed([sys.executable, __file__, "--floor-child", str(out), str(prompts), str(args.decode_steps)],
+                                  timeout=args.timeout, stdout=sink)
         rows["floor"].update(json.loads(floor_json.read_text() or "{}"))
         save()
     if "calibrate" in steps:
         calibrate_json = args.work / "calibrate.json"
         with open(calibrate_json, "w") as sink:
-            rows["calibrate"] = measure(mtkc + ["calibrate", str(out), "--prompts", str(prompts), "--decode-steps",
-                                                str(args.decode_steps), "--decode-samples", str(args.decode_samples),
-                                                "--format", "json"], limit, timeout=args.timeout, stdout=sink)
+            rows["calibrate"] = timed(mtkc + ["calibrate", str(out), "--prompts", str(prompts), "--decode-steps",
+                                              str(args.decode_steps), "--decode-samples", str(args.decode_samples),
+                                              "--format", "json"], timeout=args.timeout, stdout=sink)
         entry = json.loads(calibrate_json.read_text() or "{}")
         rows["calibrate"].update(disk_bytes=disk(out / "calibration"), samples=entry.get("samples"),
                                  seconds=entry.get("seconds"))
@@ -138,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                           str(args.new_tokens), "--calibration-samples", str(args.calibration_samples), "--format", "json",
                           *(extra or ["--min-cosine", "0"])]
             with open(json_out, "w") as sink:
-                row = measure(cmd, limit, timeout=args.timeout, stdout=sink)
+                row = timed(cmd, timeout=args.timeout, stdout=sink)
             data = json.loads(json_out.read_text()) if json_out.stat().st_size else {}
             row.update({k: data.get(k) for k in ("suggest", "weak_layers", "keep_fp", "ok", "units", "mask_value")})
             row["outputs"] = {f"{o['graph']}/{o['output']}": round(o["cosine"], 6) for o in data.get("outputs", [])
@@ -149,10 +169,10 @@ def main(argv: list[str] | None = None) -> int:
             save()
     if "convert" in steps:
         standin = HERE.parent / "tests" / "standin_converter.py"
-        rows["convert"] = measure(mtkc + ["convert", str(out), "--quant", "A16W8", "--converter-cmd",
-                                          f"{{python}} {standin} --input {{input}} --output {{output}} --arch {{arch}} "
-                                          "--sdk {sdk} --calibration {calibration} --precision {precision}"],
-                                  limit, timeout=args.timeout)
+        rows["convert"] = timed(mtkc + ["convert", str(out), "--quant", "A16W8", "--converter-cmd",
+                                        f"{{python}} {standin} --input {{input}} --output {{output}} --arch {{arch}} "
+                                        "--sdk {sdk} --calibration {calibration} --precision {precision}"],
+                                timeout=args.timeout)
         save()
     print(json.dumps(report, indent=2, sort_keys=True))
     return 0
