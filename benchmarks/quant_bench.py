@@ -114,14 +114,21 @@ def main(argv: list[str] | None = None) -> int:
 
     steps = set(args.steps.split(","))
     path = HERE / f"quant_results-L{args.layers}.json"
-    report = json.loads(path.read_text()) if path.exists() else {}
-    report.update({"note": "random weights (factory seed 0), not trained Qwen2.5 weights", "layers": args.layers,
-                   "calibration_samples": args.calibration_samples, "eval_prompts": args.eval_prompts,
-                   "new_tokens": args.new_tokens, "prompts": args.prompts, "decode_steps": args.decode_steps,
-                   "decode_samples": args.decode_samples, "machine": machine()})
-    rows = report.setdefault("rows", {})
+    settings = {"calibration_samples": args.calibration_samples, "eval_prompts": args.eval_prompts,
+                "new_tokens": args.new_tokens, "prompts": args.prompts, "decode_steps": args.decode_steps,
+                "decode_samples": args.decode_samples, "machine": machine()}
+    rows: dict = {}
 
     def save() -> None:
+        """Merge this run's steps (each with the settings it ran with) into the results file."""
+        report = json.loads(path.read_text()) if path.exists() else {}
+        report.update(note="random weights (factory seed 0), not trained Qwen2.5 weights", layers=args.layers)
+        for key, value in rows.items():
+            if key == "verify":
+                report.setdefault("rows", {}).setdefault("verify", {}).update(
+                    {name: {**row, "settings": settings} for name, row in value.items()})
+            else:
+                report.setdefault("rows", {})[key] = {**value, "settings": settings}
         path.write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
 
     if args.recompile or not (out / "manifest.json").exists():
@@ -174,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                                         "--sdk {sdk} --calibration {calibration} --precision {precision}"],
                                 timeout=args.timeout)
         save()
-    print(json.dumps(report, indent=2, sort_keys=True))
+    print(path.read_text())
     return 0
 
 
