@@ -1,8 +1,10 @@
 """`verify --quant SCHEME`: simulate MediaTek's quantisation of every NPU partition in onnxruntime.
 
-    NPU partition ─► opset 21 copy ─► onnxruntime.quantization.quantize_static (QDQ; MinMax calibrator
+    NPU partition ─► opset 21 copy ─► onnxruntime.quantization.quantize_static (QDQ; MinMax ranges
                      over OUT/calibration/<graph>.<partition>/*.npz) ─► quantised partition
     CPU partitions, host tables: float
+    (at any size: `quantstream` hands the quantiser a stubbed graph, computes the ranges and streams
+    the weights' codes from the one mapping of the weights every session here shares)
 
 Scheme (MediaTek's names, `AxWy`): weights of MatMul/Gemm/Conv per output channel, symmetric, y bits
 (int4 as codes in [-8, 7]); other constants (norm weights, biases, tables) per tensor, symmetric, x
