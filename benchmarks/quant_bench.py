@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     if "convert" in steps:
         standin = HERE.parent / "tests" / "standin_converter.py"
         rows["convert"] = timed(mtkc + ["convert", str(out), "--quant", "A16W8", "--converter-cmd",
-                                        f"{{python}} {standin} --input {{input}} --output {{output}} --arch {{arch}} "
+                                        f"{sys.executable} {standin} --input {{input}} --output {{output}} --arch {{arch}} "
                                         "--sdk {sdk} --calibration {calibration} --precision {precision}"],
                                 timeout=args.timeout)
         save()
