@@ -1,8 +1,10 @@
 """`verify --quant SCHEME`: simulate MediaTek's quantisation of every NPU partition in onnxruntime.
 
-    NPU partition ─► opset 21 copy ─► onnxruntime.quantization.quantize_static (QDQ; MinMax calibrator
+    NPU partition ─► opset 21 copy ─► onnxruntime.quantization.quantize_static (QDQ; MinMax ranges
                      over OUT/calibration/<graph>.<partition>/*.npz) ─► quantised partition
     CPU partitions, host tables: float
+    (at any size: `quantstream` hands the quantiser a stubbed graph, computes the ranges and streams
+    the weights' codes from the one mapping of the weights every session here shares)
 
 Scheme (MediaTek's names, `AxWy`): weights of MatMul/Gemm/Conv per output channel, symmetric, y bits
 (int4 as codes in [-8, 7]); other constants (norm weights, biases, tables) per tensor, symmetric, x
@@ -29,12 +31,11 @@ from mtkc.contract import io
 from mtkc.contract import mask as contract_mask
 from mtkc.display import Progress
 from mtkc.errors import InputError
-from mtkc.ir.execute import session
-from mtkc.ir.model import external_info
 from mtkc.pipeline import quantsmooth
 from mtkc.pipeline.calibrate import npu_partitions
 from mtkc.pipeline.quantmetrics import Agreement, forced, nll, real_rows, rows_of, windows
 from mtkc.pipeline.quantplan import LM_HEAD, SCHEMES, Precision, layer_of, parse_units, unit_of
+from mtkc.pipeline.quantstream import Store, absolute, grid_scales, ranges, stubbed, with_codes
 from mtkc.pipeline.verify import load_manifest
 from mtkc.runtime.generate import Generator
 from mtkc.runtime.partitioned import GraphRunner, partition_sessions, use_partitions
@@ -67,9 +68,21 @@ def layer_outputs(graph: onnx.GraphProto) -> dict[int, str]:
     return dict(sorted(last.items()))
 
 
-def overrides(graph: onnx.GraphProto, precision: Precision) -> dict[str, list[dict]]:
+def per_channel_weights(graph: onnx.GraphProto) -> dict[str, int]:
+    """Float constants used only as a MatMul/Gemm/Conv weight, on one channel axis: name -> axis."""
+    floats = {t.name: t for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
+    axes: dict[str, set] = {}
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            if name in floats:
+                axes.setdefault(name, set()).add(channel_axis(node, len(floats[name].dims)) if i == weight_index(node) else None)
+    return {name: next(iter(a)) for name, a in axes.items() if len(a) == 1 and None not in a}
+
+
+def overrides(graph: onnx.GraphProto, precision: Precision, absmax) -> dict[str, list[dict]]:
     """onnxruntime `TensorQuantOverrides`: every float constant's precision and axis (from the scheme
-    of the node using it), and the activations of raised units at their scheme's bits."""
+    of the node using it; weights per output channel on MediaTek's grid from `absmax(tensor, axis)`),
+    and the activations of raised units at their scheme's bits."""
     from onnxruntime.quantization import QuantType
 
     signed = {16: QuantType.QInt16, 8: QuantType.QInt8, 4: QuantType.QInt4}
@@ -85,7 +98,9 @@ def overrides(graph: onnx.GraphProto, precision: Precision) -> dict[str, list[di
             if name not in floats or name in result:
                 continue
             if i == weight_index(node):
-                result[name] = channel_scales(floats[name], channel_axis(node, len(floats[name].dims)), w_bits, signed[w_bits])
+                axis = channel_axis(node, len(floats[name].dims))
+                result[name] = [{"quant_type": signed[w_bits], "axis": axis, "scale": np.float32(s), "zero_point": 0}
+                                for s in grid_scales(absmax(floats[name], axis), w_bits)]
             else:
                 result[name] = [{"quant_type": signed[a_bits], "symmetric": True}]
     users: dict[str, list[onnx.NodeProto]] = {}
@@ -102,19 +117,6 @@ def overrides(graph: onnx.GraphProto, precision: Precision) -> dict[str, list[di
                 result[name] = [{"quant_type": QuantType.QInt16, "symmetric": True} if a_bits == 16
                                 else {"quant_type": QuantType.QUInt8, "symmetric": False}]
     return result
-
-
-def channel_scales(weight: onnx.TensorProto, axis: int, bits: int, qtype, base_dir: str = "") -> list[dict]:
-    """Per-output-channel overrides on MediaTek's grid (torch's symmetric observer): codes in
-    [-2^(b-1), 2^(b-1)-1], scale = absmax / ((qmax - qmin) / 2). onnxruntime's own symmetric int8/16
-    range drops the lowest code (scale absmax/127), a different grid."""
-    from onnx import numpy_helper
-
-    values = np.moveaxis(numpy_helper.to_array(weight, base_dir), axis, 0)
-    absmax = np.abs(values.reshape(values.shape[0], -1)).max(axis=1)
-    scales = absmax / ((2 ** bits - 1) / 2)
-    scales = np.where(scales > 0, scales, 1.0).astype(np.float32)
-    return [{"quant_type": qtype, "axis": axis, "scale": np.float32(s), "zero_point": 0} for s in scales]
 
 
 def raise_opset(proto: onnx.ModelProto, version: int = 21) -> onnx.ModelProto:
@@ -171,62 +173,53 @@ def swap_mask(value: np.ndarray, mask: tuple[float, float] | None) -> np.ndarray
     return np.where(value == np.float32(mask[0]), np.float32(mask[1]), value).astype(value.dtype)
 
 
-def quantize_partition(out: Path, manifest: dict, graph: dict, part: dict, precision: Precision,
-                       workdir: Path, samples: int | None = None, mask: tuple[float, float] | None = None,
-                       smooth_alpha: float | None = None) -> Path:
-    """Write the quantised copy of one NPU partition into `workdir`; returns its path.
-    `samples`: calibrate on at most that many stored samples, evenly spaced (default: all).
-    `smooth_alpha`: SmoothQuant's float rewrite (`quantsmooth`) on the copy first.
-    The float copy and its calibrated ranges are made once per workdir and reused by every precision."""
-    import logging
+CODE_BITS = {onnx.TensorProto.INT4: 4, onnx.TensorProto.INT8: 8, onnx.TensorProto.INT16: 16}
 
-    from onnx.external_data_helper import load_external_data_for_model
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
+def partition_files(out: Path, manifest: dict, graph: dict, part: dict, samples: int | None) -> list[Path]:
+    """The partition's stored samples; with `samples`, at most that many, evenly spaced."""
     files = sample_files(out, manifest, folder_name(graph, part))
     if samples and len(files) > samples:
         files = [files[k * len(files) // samples] for k in range(samples)]
-    proto = raise_opset(onnx.load(str(out / part["path"]), load_external_data=False))
-    big = sum(t.ByteSize() for t in proto.graph.initializer) + sum(
-        int(e.get("length", 0)) for e in ((external_info(t) or {}) for t in proto.graph.initializer)) > 1 << 30
-    load_external_data_for_model(proto, str(out))  # a private copy: onnx refuses links to OUT's weights
-    source = workdir / f"{graph['name']}.{part['id']}.float.onnx"
-    if not source.exists():
-        if smooth_alpha is not None:
-            reader = SampleReader(files[:: max(1, len(files) // quantsmooth.MAX_SAMPLES)][: quantsmooth.MAX_SAMPLES],
-                                  part["inputs"], mask)
-            quantsmooth.smooth(proto, iter(reader.get_next, None), smooth_alpha)
-        onnx.save(proto, str(source), save_as_external_data=big, location=f"{source.name}.data")
-    op_types = sorted({n.op_type for n in proto.graph.node})
-    tensor_overrides = overrides(proto.graph, precision)
-    excluded = [n.name for n in proto.graph.node if n.name and precision.of(n) is None]
-    del proto
-    target = workdir / f"{graph['name']}.{part['id']}.{len(list(workdir.glob('*.q.onnx')))}.q.onnx"
+    return files
+
+
+def quantize_partition(store: Store, float_proto: onnx.ModelProto, ranges_path: Path, reader: SampleReader,
+                       precision: Precision, folder: Path, stem: str) -> onnx.ModelProto:
+    """The partition quantised at `precision` (`quantstream`: onnxruntime's QDQ on the stubbed graph,
+    its calibration ranges from `ranges_path`, then the weights' codes), held in memory."""
+    import logging
+
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    weights = per_channel_weights(float_proto.graph)
+    tensor_overrides = overrides(float_proto.graph, precision, store.absmax)
+    excluded = [n.name for n in float_proto.graph.node if n.name and precision.of(n) is None]
+    source, target = folder / f"{stem}.stubbed.onnx", folder / f"{stem}.q.onnx"
+    onnx.save(stubbed(float_proto, weights, store), str(source))
     a_bits, w_bits = SCHEMES[precision.scheme]
     quiet = logging.getLogger().level
     logging.getLogger().setLevel(logging.ERROR)  # onnxruntime.quantization logs advice through the root logger
     try:
         quantize_static(
-            str(source), str(target), SampleReader(files, part["inputs"], mask), quant_format=QuantFormat.QDQ, per_channel=True,
+            str(source), str(target), reader, quant_format=QuantFormat.QDQ, per_channel=True,
             activation_type=QuantType.QInt16 if a_bits == 16 else QuantType.QUInt8,
             weight_type={16: QuantType.QInt16, 8: QuantType.QInt8, 4: QuantType.QInt4}[w_bits],
-            op_types_to_quantize=op_types, nodes_to_exclude=excluded,
-            calibrate_method=CalibrationMethod.MinMax, use_external_data_format=big,
-            calibration_cache_path=str(workdir / f"{graph['name']}.{part['id']}.ranges.json"),
+            op_types_to_quantize=sorted({n.op_type for n in float_proto.graph.node}), nodes_to_exclude=excluded,
+            calibrate_method=CalibrationMethod.MinMax, calibration_cache_path=str(ranges_path),
             extra_options={"ActivationSymmetric": a_bits == 16, "WeightSymmetric": True, "CalibStridedMinMax": 1,
                            "TensorQuantOverrides": tensor_overrides})
     finally:
         logging.getLogger().setLevel(quiet)
-    return target
+    return with_codes(onnx.load(str(target)), float_proto, weights, CODE_BITS.__getitem__, store)
 
 
-def with_outputs(path: Path, names: list[str], root: Path):
-    """An ORT session of the model at `path` that also outputs the tensors `names` (layer probes)."""
-    proto = onnx.load(str(path), load_external_data=False)
+def with_probes(proto: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    """`proto` also outputting the tensors `names` (layer probes)."""
     present = {o.name for o in proto.graph.output}
     proto.graph.output.extend(onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None)
                               for n in names if n not in present)
-    return session(proto, root)
+    return proto
 
 
 @dataclass
@@ -297,15 +290,51 @@ class Simulation:
         for (g, _), found in self.probes.items():
             self.by_graph.setdefault(g, {}).update(found)
         self.captured: dict[str, dict[str, np.ndarray]] = {}
+        self.store = Store(self.out, self.workdir)  # one mapping of every weights file, for every session here
         self.float_sessions = partition_sessions(self.out, self.manifest, self._capture, self._floating)
+        self._floats: dict[tuple, tuple[onnx.ModelProto, Path]] = {}
         self._quant: dict[str, dict] = {}
 
     def _capture(self, graph, part, inputs, values):
         self.captured.setdefault(graph["name"], {}).update(values)
 
+    def _session(self, graph, part, proto: onnx.ModelProto, folder: Path, what: str):
+        return self.store.sessions.model(with_probes(proto, list(self.probes[graph["name"], part["id"]].values())), folder,
+                                         f"{graph['name']}/{part['id']} ({what})")
+
     def _floating(self, graph, part):
         path = self.out / part["path"]
-        return with_outputs(path, list(self.probes[graph["name"], part["id"]].values()), path.parent)
+        return self._session(graph, part, onnx.load(str(path), load_external_data=False), path.parent, "float")
+
+    def float_copy(self, graph: dict, part: dict, folder: Path, mask: tuple[float, float]) -> tuple[onnx.ModelProto, Path]:
+        """The NPU partition at opset 21 (smoothed first with `smooth`: its rewritten weights in a file
+        of the work folder), held as a graph over the mapped weights, and its calibration ranges
+        (onnxruntime's cache file); made once per folder, shared by every precision."""
+        key = (folder, graph["name"], part["id"])
+        if key not in self._floats:
+            path = self.out / part["path"]
+            proto = absolute(raise_opset(onnx.load(str(path), load_external_data=False)), path.parent)
+            files = partition_files(self.out, self.manifest, graph, part, self.samples)
+            what = f"{graph['name']}/{part['id']} (ranges)"
+
+            def run_on(model):
+                return self.store.sessions.model(model, self.workdir, what)
+
+            if self.smooth is not None:
+                reader = SampleReader(files[:: max(1, len(files) // quantsmooth.MAX_SAMPLES)][: quantsmooth.MAX_SAMPLES],
+                                      part["inputs"], mask)
+                writer = self.store.writer()
+                try:
+                    quantsmooth.smooth(proto, iter(reader.get_next, None), self.smooth, run_on, self.store.array,
+                                       lambda value, name: writer.add(name, onnx.TensorProto.FLOAT, list(value.shape), [value]))
+                finally:
+                    writer.close()
+            from onnxruntime.quantization.calibrate import save_tensors_data
+
+            cache = folder / f"{graph['name']}.{part['id']}.ranges.json"
+            save_tensors_data(ranges(proto, run_on, iter(SampleReader(files, part["inputs"], mask).get_next, None)), cache)
+            self._floats[key] = (proto, cache)
+        return self._floats[key]
 
     def quant_sessions(self, precision: Precision, mask_value: float) -> dict:
         """Partition sessions with every NPU partition quantised at `precision` (the last one kept)."""
@@ -314,21 +343,24 @@ class Simulation:
             self._quant.clear()
             folder = self.workdir / f"mask{mask_value:g}-smooth{self.smooth}"  # float copies and ranges for these
             folder.mkdir(exist_ok=True)
-            paths = {(g["name"], p["id"]): quantize_partition(self.out, self.manifest, g, p, precision, folder, self.samples,
-                                                              (self.compiled_mask, mask_value), self.smooth)
-                     for g, p in npu_partitions(self.manifest)}
+            mask = (self.compiled_mask, mask_value)
+            protos = {}
+            for g, p in npu_partitions(self.manifest):
+                float_proto, cache = self.float_copy(g, p, folder, mask)
+                files = partition_files(self.out, self.manifest, g, p, self.samples)
+                protos[g["name"], p["id"]] = quantize_partition(self.store, float_proto, cache, SampleReader(files, p["inputs"], mask),
+                                                                precision, folder, f"{g['name']}.{p['id']}")
 
             def make(graph, part):
                 if part["target"] != "npu":
                     return self._floating(graph, part)
-                path = paths[graph["name"], part["id"]]
-                return with_outputs(path, list(self.probes[graph["name"], part["id"]].values()), path.parent)
+                return self._session(graph, part, protos[graph["name"], part["id"]], self.workdir, precision.scheme)
 
             self._quant[key] = partition_sessions(self.out, self.manifest, self._capture, make)
         return self._quant[key]
 
     def generator(self, sessions: dict, mask_value: float | None = None) -> Generator:
-        gen = Generator(self.out, mask_value=mask_value)
+        gen = Generator(self.out, mask_value=mask_value, sessions=self.store.sessions)
         use_partitions(gen, self.manifest, sessions)
         return gen
 
@@ -365,7 +397,7 @@ class Simulation:
                             pick(quant_probe[tensor]), pick(ref_probe[tensor]))
                 return [ref[n] for n in names]
 
-        reference = Generator(self.out)
+        reference = Generator(self.out, sessions=self.store.sessions)
         for stage in reference.prefill + reference.decode:
             stage.session = Compare(self.out, graphs[stage.name], {})
         quantised = self.generator(quant_sessions, mask_value) if full else None

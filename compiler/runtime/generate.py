@@ -66,7 +66,7 @@ class Stage:
 class Generator:
     """Greedy decoding over the graphs a KV-cache compile wrote to `out_dir`."""
 
-    def __init__(self, out_dir: str | Path, mask_value: float | None = None):
+    def __init__(self, out_dir: str | Path, mask_value: float | None = None, sessions: Sessions | None = None):
         self.root = Path(out_dir)
         path = self.root / "manifest.json"
         manifest = read_manifest(self.root)  # shape checked, every path confined to OUT
@@ -74,7 +74,7 @@ class Generator:
         given = Layer({"mask_value": mask_value}, "cli") if mask_value is not None else \
             Layer({"mask_value": options.get("mask_value")}, f"{path}:options")
         self.mask_value = mask.value_of(build([given]))  # validated as compile's --mask-value is
-        self.sessions = Sessions(self.root)  # weights mapped once for every graph
+        self.sessions = sessions or Sessions(self.root)  # weights mapped once for every graph (and generator)
         stages: dict[str, list[tuple[int, Stage]]] = {"prefill": [], "decode": []}
         graphs = manifest.get("graphs", [])
         for graph in graphs:

@@ -6,7 +6,9 @@ mapping, so prefill + decode counted the weights twice; a prepacked copy of ever
 per session doubled them again (measured at 0.5B dims, 2 of 24 layers: generate 1.9 GB -> 0.8 GB).
 Here each external initializer is handed to onnxruntime as a view of one read-only `np.memmap`
 per file (used in place, not copied), and prepacking is off (decode measured no slower; prefill
-~30 % slower, a reference runtime's fair price for half the memory).
+~30 % slower, a reference runtime's fair price for half the memory). Models mtkc builds in memory
+from those graphs (probes, quantised copies: `model`) use the same mappings, and files under the
+extra `roots` (a work folder's weights) are mapped the same way.
 """
 
 from __future__ import annotations
@@ -18,17 +20,22 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from mtkc.ir.execute import Bounded, open_session, session_options
+from mtkc.ir.execute import EXTERNAL_FOLDER_KEY, Bounded, open_session, session_options
 from mtkc.ir.outdir import check_graph_file
 
 NO_PREPACKING = "session.disable_prepacking"
+STAND_IN = "mapped-elsewhere.bin"  # `model`'s sparse file named by the tensors handed from a mapping
 
 
 class Sessions:
     """Sessions by path (each opened once), external weights under `root` mapped once for all."""
 
-    def __init__(self, root: str | Path, optimize: bool = True, seconds: tuple[float, float] | None = None):
+    def __init__(self, root: str | Path, optimize: bool = True, seconds: tuple[float, float] | None = None,
+                 roots: tuple[Path, ...] = (), scratch: Path | None = None, arena: bool = True):
         self.root = Path(root).resolve()
+        self.roots = {self.root, *(Path(r).resolve() for r in roots)}  # folders whose files are mapped
+        self.scratch = Path(scratch) if scratch is not None else None  # where `model` may put its stand-in file
+        self.arena = arena  # onnxruntime's CPU arena keeps each session's peak; without it freed tensors go back
         self.optimize = optimize
         self.seconds = seconds or (None, None)  # deadlines to load, to run (default: `mtkc.ir.execute`'s)
         self._sessions: dict[Path, Bounded] = {}
@@ -42,28 +49,65 @@ class Sessions:
         return self._sessions[path]
 
     def _open(self, path: Path) -> Bounded:
+        proto = check_graph_file(path)  # external data inside OUT and within its files, before onnxruntime reads it
+        options, _ = self._options(proto, path.parent)
+        return open_session(str(path), options, str(path.relative_to(self.root) if path.is_relative_to(self.root) else path),
+                            *self.seconds)
+
+    def model(self, proto: onnx.ModelProto, folder: Path, what: str) -> Bounded:
+        """A session of a model mtkc built in memory from checked graphs (each call a new session);
+        external locations relative to `folder`, or absolute. onnxruntime checks that the file of
+        every external tensor exists inside its folder even when it is handed the values, so the
+        mapped tensors point it at a sparse stand-in file in `scratch` (never read); the others it
+        reads from `folder`."""
+        options, mapped = self._options(proto, folder)
+        handed = onnx.ModelProto()
+        handed.CopyFrom(proto)
+        end = 0
+        for tensor in handed.graph.initializer:
+            if tensor.name in mapped:
+                for entry in tensor.external_data:
+                    if entry.key == "location":
+                        entry.value = STAND_IN
+                info = {e.key: e.value for e in tensor.external_data}
+                end = max(end, int(info.get("offset", 0)) + int(info["length"]))
+        if mapped:
+            if self.scratch is None:
+                raise ValueError("Sessions.model: mapped tensors need a scratch folder")
+            stand_in = self.scratch / STAND_IN
+            with open(stand_in, "ab") as f:
+                if f.tell() < end:
+                    f.truncate(end)
+            folder = self.scratch
+        options.add_session_config_entry(EXTERNAL_FOLDER_KEY, str(folder))
+        return open_session(handed.SerializeToString(), options, what, *self.seconds)
+
+    def _options(self, proto: onnx.ModelProto, folder: Path) -> tuple[ort.SessionOptions, set[str]]:
+        """Session options handing onnxruntime every mapped tensor (and the names of those tensors)."""
         # basic (constant folding, redundant nodes) keeps the numbers; extended levels fuse QDQ
         # pairs into integer kernels, which a reference for NPU graphs must not do
         options = session_options(self.optimize)
         options.add_session_config_entry(NO_PREPACKING, "1")
-        proto = check_graph_file(path)  # external data inside OUT and within its files, before onnxruntime reads it
+        options.enable_cpu_mem_arena = self.arena
+        mapped = set()
         for tensor in proto.graph.initializer:
-            view = self._view(tensor, path.parent)
+            view = self.view(tensor, folder)
             if view is not None:
                 value = ort.OrtValue.ortvalue_from_numpy(view)
                 self._values.append(value)
                 options.add_initializer(tensor.name, value)
-        return open_session(str(path), options, str(path.relative_to(self.root) if path.is_relative_to(self.root) else path),
-                            *self.seconds)
+                mapped.add(tensor.name)
+        return options, mapped
 
-    def _view(self, tensor: onnx.TensorProto, folder: Path) -> np.ndarray | None:
+    def view(self, tensor: onnx.TensorProto, folder: Path) -> np.ndarray | None:
         """The tensor's bytes in its file's mapping; None (onnxruntime loads it) when it is not a
-        plain external tensor of a file directly under `root` whose recorded length fits its shape."""
+        plain external tensor of a file directly under one of `roots` whose recorded length fits its
+        shape. A file is mapped at its first use: it must not grow after that."""
         if tensor.data_location != onnx.TensorProto.EXTERNAL:
             return None
         info = {e.key: e.value for e in tensor.external_data}
         file = (folder / info.get("location", "")).resolve()
-        if file.parent != self.root or not file.is_file():
+        if file.parent not in self.roots or not file.is_file():
             return None
         try:
             dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type))
