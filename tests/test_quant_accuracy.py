@@ -306,3 +306,25 @@ def test_bad_options_are_one_line_errors(out, tmp_path, run_cli):
     bad.write_text('{"scheme": "A16W8", "units": {"0": "A16W16"}}')
     code, _, err = run_cli("convert", out, "--quant", "A16W4", "--plan", bad, "--no-convert")
     assert code == 2 and "the plan is for A16W8" in err
+
+
+def test_the_text_report_is_short_at_24_layers_and_whole_with_every_output():
+    """verify --quant's text: a row per graph's logits and one for its caches, one line for the
+    layers' accumulated error, the units under the bar or most sensitive; -v prints every row."""
+    from mtkc.pipeline.quantsim import QuantResult, format_text
+
+    outputs = [{"graph": g, "output": o, "cosine": c, "sqnr_db": 10.0, "worst_call_cosine": c, "max_abs": 1.0}
+               for g in ("prefill", "decode") for o, c in [("logits", 0.95)] + [(f"present_key_{i}", 0.999 - i / 100)
+                                                                               for i in range(24)]]
+    layers = [{"layer": i, "cosine": 0.999 - i / 200} for i in range(24)]
+    sensitivity = [{"unit": i, "cosine": 0.98 if i == 5 else 0.9999, "sqnr_db": 40.0 - (i == 5) * 30 - i / 10}
+                   for i in range(24)] + [{"unit": "lm_head", "cosine": 0.9999, "sqnr_db": 45.0}]
+    result = QuantResult("A16W8", 0.99, [], outputs=outputs, layers=layers, sensitivity=sensitivity)
+    short, every = format_text(result).splitlines(), format_text(result, every_output=True).splitlines()
+    assert len(short) <= 15 < 60 < len(every)
+    assert "prefill  24 caches" in "\n".join(short) and "UNDER BAR (23)" in "\n".join(short)  # 0.999 - i/100 < 0.99 from i = 1
+    assert any(line.startswith("layers 0-23: output cosine 0.999000 after layer 0, lowest 0.884000") for line in short)
+    assert [line.split(" quantised")[0] for line in short if line.startswith("sensitivity ") and " quantised alone:" in line] \
+        == ["sensitivity 5", "sensitivity 22", "sensitivity 23"]  # under the bar, then the lowest SQNR
+    assert any(line.startswith("sensitivity of the other 22 units alone") for line in short)
+    assert sum(line.startswith("sensitivity ") for line in every) == 25 and sum(" present_key_" in line for line in every) == 48

@@ -66,7 +66,7 @@ def run_quant(args: argparse.Namespace) -> int:
     if args.format == "json":
         print_json(result.to_json())
     else:
-        print(format_text(result))
+        print(format_text(result, every_output=args.verbose > 0))
     if not result.ok:
         worst = min(result.under_bar, key=lambda o: o["cosine"])
         hint = f"; try {result.suggestion()}" if result.suggestion() else ""

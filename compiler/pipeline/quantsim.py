@@ -525,24 +525,56 @@ def run_simulation(sim: Simulation, scheme: str, prompts, new_tokens, keep, rais
     return result
 
 
-def format_text(result: QuantResult) -> str:
+def format_text(result: QuantResult, every_output: bool = False) -> str:
+    """Each graph's logits row and one row for its cache outputs (their worst figures), the layers'
+    accumulated error first/worst/last, and the units under the bar or most sensitive; `every_output`
+    (-v): a row per output, a line per layer and per unit. --format json has everything."""
     rows = [("graph", "output", "cosine", "SQNR dB", "worst call", "max abs", "top-1", "status")]
-    for o in result.outputs:
-        rows.append((o["graph"], o["output"], f"{o['cosine']:.6f}", f"{o['sqnr_db']:.1f}", f"{o['worst_call_cosine']:.6f}",
-                     f"{o['max_abs']:.3g}", f"{o['top1']:.3f}" if "top1" in o else "-",
-                     "ok" if o["cosine"] >= result.min_cosine else "UNDER BAR"))
+    for graph in dict.fromkeys(o["graph"] for o in result.outputs):
+        outs = [o for o in result.outputs if o["graph"] == graph]
+        caches = [o for o in outs if o["output"].startswith("present_")]
+        if not every_output and len(caches) > 1:
+            under = sum(o["cosine"] < result.min_cosine for o in caches)
+            worst = {"graph": graph, "output": f"{len(caches)} caches", "cosine": min(o["cosine"] for o in caches),
+                     "sqnr_db": min(o["sqnr_db"] for o in caches),
+                     "worst_call_cosine": min(o["worst_call_cosine"] for o in caches),
+                     "max_abs": max(o["max_abs"] for o in caches), "status": f"UNDER BAR ({under})" if under else "ok"}
+            outs = [o for o in outs if o not in caches] + [worst]
+        for o in outs:
+            rows.append((o["graph"], o["output"], f"{o['cosine']:.6f}", f"{o['sqnr_db']:.1f}",
+                         f"{o['worst_call_cosine']:.6f}", f"{o['max_abs']:.3g}", f"{o['top1']:.3f}" if "top1" in o else "-",
+                         o.get("status") or ("ok" if o["cosine"] >= result.min_cosine else "UNDER BAR")))
     widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
     raised = ", ".join(f"{u} {s}" for u, s in result.units.items())
     lines = [f"quantisation simulation {result.scheme}" + (f", raised: {raised}" if raised else "")
              + (f", smoothed (alpha {result.smooth:g})" if result.smooth is not None else "")
              + " (teacher-forced: the quantised graphs fed float's inputs; real positions only)"]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
-    for entry in result.layers:
-        lines.append(f"layer {entry['layer']}: output cosine {entry['cosine']:.6f} (error accumulated through the layers before)")
-    for entry in result.sensitivity:
+    layers = result.layers
+    if every_output or len(layers) <= 3:
+        for entry in layers:
+            lines.append(f"layer {entry['layer']}: output cosine {entry['cosine']:.6f} (error accumulated through the "
+                         "layers before)")
+    elif layers:
+        low = min(layers, key=lambda e: e["cosine"])
+        lines.append(f"layers {layers[0]['layer']}-{layers[-1]['layer']}: output cosine {layers[0]['cosine']:.6f} after "
+                     f"layer {layers[0]['layer']}, lowest {low['cosine']:.6f} after layer {low['layer']}, "
+                     f"{layers[-1]['cosine']:.6f} after layer {layers[-1]['layer']} (error accumulated; -v: each layer)")
+    shown = result.sensitivity
+    if not every_output and len(shown) > 4:
+        ranked = sorted(shown, key=lambda e: e["sqnr_db"])
+        keep = {id(e) for e in ranked[:3]} | {id(e) for e in shown if e["cosine"] < result.min_cosine}
+        rest = [e for e in shown if id(e) not in keep]
+        shown = [e for e in shown if id(e) in keep]
+    else:
+        rest = []
+    for entry in shown:
         mark = "" if entry["cosine"] >= result.min_cosine else "  UNDER BAR"
         lines.append(f"sensitivity {entry['unit']} quantised alone: logits cosine {entry['cosine']:.6f}, "
                      f"SQNR {entry['sqnr_db']:.1f} dB{mark}")
+    if rest:
+        lines.append(f"sensitivity of the other {len(rest)} units alone: logits cosine >= "
+                     f"{min(e['cosine'] for e in rest):.6f}, SQNR >= {min(e['sqnr_db'] for e in rest):.1f} dB (-v: each)")
     own = result.own_cache
     if own:
         lines.append(f"own quantised cache: logits cosine {own['cosine']:.6f}, SQNR {own['sqnr_db']:.1f} dB, "
