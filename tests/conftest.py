@@ -79,6 +79,45 @@ def exported(request, tiny_model):
     return get
 
 
+def genai_generate(model_dir, prompt: list[int], n: int) -> list[int]:
+    """onnxruntime-genai's greedy tokens on the export's own files (EOS does not stop it early)."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(model_dir))
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(prompt) + n, min_length=len(prompt) + n)
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompt)
+    while not generator.is_done():
+        generator.generate_next_token()
+    return [int(t) for t in generator.get_sequence(0)[len(prompt):]]
+
+
+@pytest.fixture(scope="session")
+def reference_tokens(exported, tiny_model, tmp_path_factory):
+    """`reference_tokens(family, exporter, cache, prompt, n)` -> the n greedy tokens the export is meant to
+    give: onnxruntime-genai's `Generator` on (a copy of: og may write beside the model) its files for its
+    exports, transformers' `generate` on the torch model otherwise. Each computed once per session."""
+    import factory
+
+    tokens = {}
+
+    def get(family: str, exporter: str, cache: bool, prompt: list[int], n: int) -> list[int]:
+        genai = exporter.startswith("genai-")
+        key = (family, exporter if genai else "torch", tuple(prompt), n)
+        if key not in tokens:
+            if genai:
+                local = tmp_path_factory.getbasetemp() / f"reference-genai-{family}-{exporter}"
+                if not local.exists():
+                    shutil.copytree(exported(family, exporter, cache=cache).parent, local)
+                tokens[key] = genai_generate(local, list(prompt), n)
+            else:
+                tokens[key] = factory.reference_generate(tiny_model(family), list(prompt), n)
+        return tokens[key]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def run_cli():
     """`run_cli(*args, cwd=None)` -> (exit code, stdout, stderr) of `mtkc ARGS`, run in this process

@@ -11,12 +11,10 @@ exports -- and on SDK 8.0 every node is on the NPU (the embedding runs on the ho
 from __future__ import annotations
 
 import json
-import shutil
 
 import onnx
 import pytest
 
-import factory
 from mtkc.pipeline.compile import compile_model
 from mtkc.runtime.generate import Generator
 
@@ -43,39 +41,10 @@ def compiled(exported, tmp_path_factory):
     return get
 
 
-def genai_generate(model_dir, prompt: list[int], n: int) -> list[int]:
-    """onnxruntime-genai's greedy tokens on the export's own files (EOS does not stop it early)."""
-    import onnxruntime_genai as og
-
-    model = og.Model(str(model_dir))
-    params = og.GeneratorParams(model)
-    params.set_search_options(do_sample=False, max_length=len(prompt) + n, min_length=len(prompt) + n)
-    generator = og.Generator(model, params)
-    generator.append_tokens(prompt)
-    while not generator.is_done():
-        generator.generate_next_token()
-    return [int(t) for t in generator.get_sequence(0)[len(prompt):]]
-
-
 @pytest.fixture(scope="module")
-def reference(exported, tiny_model, tmp_path_factory):
+def reference(reference_tokens):
     """`reference(exporter, family, prompt)` -> the greedy tokens the export is meant to give."""
-    tokens = {}
-
-    def get(exporter: str, family: str, prompt: str):
-        key = (exporter, family, prompt)
-        if key not in tokens:
-            if exporter.startswith("genai-"):
-                folder = exported(family, exporter, cache=True).parent
-                local = tmp_path_factory.getbasetemp() / f"genai-{family}-{exporter}"
-                if not local.exists():  # og may write beside the model: work on a copy
-                    shutil.copytree(folder, local)
-                tokens[key] = genai_generate(local, PROMPTS[prompt], NEW)
-            else:
-                tokens[key] = factory.reference_generate(tiny_model(family), PROMPTS[prompt], NEW)
-        return tokens[key]
-
-    return get
+    return lambda exporter, family, prompt: reference_tokens(family, exporter, True, PROMPTS[prompt], NEW)
 
 
 @pytest.mark.parametrize("sdk", SDKS)

@@ -12,11 +12,9 @@ decoder analysis does not recognise; remedies name the model's own inputs.
 from __future__ import annotations
 
 import json
-import shutil
 
 import onnx
 import pytest
-from test_exporters import genai_generate
 
 import factory
 from mtkc import cli
@@ -69,25 +67,10 @@ def compiled(exported, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(exported, tiny_model, tmp_path_factory):
+def reference(reference_tokens):
     """`reference(family, exporter, cache, prompt)` -> transformers' greedy tokens, or
     onnxruntime-genai's `Generator` on (a copy of) the export's own files for its exports."""
-    tokens = {}
-
-    def get(family, exporter, cache, prompt):
-        genai = exporter.startswith("genai-")
-        key = (family, exporter if genai else "torch", prompt)
-        if key not in tokens:
-            if genai:
-                local = tmp_path_factory.getbasetemp() / f"matrix-genai-{family}-{exporter}"
-                if not local.exists():  # og may write beside the model: work on a copy
-                    shutil.copytree(exported(family, exporter, cache).parent, local)
-                tokens[key] = genai_generate(local, PROMPTS[prompt], NEW)
-            else:
-                tokens[key] = factory.reference_generate(tiny_model(family), PROMPTS[prompt], NEW)
-        return tokens[key]
-
-    return get
+    return lambda family, exporter, cache, prompt: reference_tokens(family, exporter, cache, PROMPTS[prompt], NEW)
 
 
 @pytest.mark.parametrize("family,exporter,cache", CASES)
