@@ -9,6 +9,7 @@ sees half a model.
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import hashlib
 import os
@@ -70,7 +71,10 @@ def exported(request, tiny_model):
                 if not (final / "model.onnx").exists():
                     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
                     try:
-                        factory.export(tiny_model(family, attn), tmp, exporter, cache, venvs=root.parent / "venvs")
+                        # a copy: an exporter may change the module (torch.export, long-rope's switch), and the
+                        # session's model is every later export's and reference's
+                        factory.export(copy.deepcopy(tiny_model(family, attn)), tmp, exporter, cache,
+                                       venvs=root.parent / "venvs")
                         tmp.rename(final)
                     finally:
                         shutil.rmtree(tmp, ignore_errors=True)
