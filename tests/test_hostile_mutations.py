@@ -338,3 +338,15 @@ def test_mutated_prompt_files_exit_0_or_2(calibrated_out, prompt_tokenizer, seed
 @given(st.integers(0, len(SEED_PROMPTS) - 1), PROMPT_MUTATIONS, st.booleans())
 def test_mutated_prompt_files_exit_0_or_2_long(calibrated_out, prompt_tokenizer, seed, edits, chat):
     _check_prompt_mutation(calibrated_out, prompt_tokenizer, seed, edits, chat)
+
+
+@pytest.mark.parametrize("key", ["sdk", "arch"])
+def test_a_manifest_sdk_or_arch_that_is_no_string_is_exit_2(calibrated_out, tmp_path, key):
+    """Found by the mutation test above: `"arch": []` reached the SDK table's cache as a key (exit 4)."""
+    out = tmp_path / "out"
+    shutil.copytree(calibrated_out, out, symlinks=True)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest[key] = []
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    r = run_cli(["convert", out, "--quant", "A16W8", "--no-convert"])
+    assert_contract(r, 2, f"manifest.json: {key}: not a string")

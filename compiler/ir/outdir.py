@@ -96,6 +96,8 @@ def _check_shape(data, path: Path, out) -> None:
 
     need(isinstance(data, dict), "top level", "expected a JSON object")
     need(isinstance(data.get("schema_version"), int), "schema_version", "missing or not an integer")
+    for key in ("sdk", "arch"):  # the SDK table is looked up by them
+        need(data.get(key) is None or isinstance(data[key], str), key, "not a string")
     graphs = data.get("graphs")
     need(isinstance(graphs, list) and bool(graphs), "graphs", "missing, empty or not a list")
     for g, graph in enumerate(graphs):
