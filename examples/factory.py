@@ -296,8 +296,12 @@ def _wrappers():
 
 
 def wrap(model, cache: bool):
-    """The export wrapper: flat tensors in and out, optimum names in `io_names` order."""
-    return _wrappers()[1 if cache else 0](model)
+    """The export wrapper: flat tensors in and out, optimum names in `io_names` order.
+
+    It takes the model's train/eval mode: TorchScript's export runs in eval mode and then restores
+    the wrapper's own mode, recursively, so a wrapper left in torch's default train mode switched
+    the model to train mode."""
+    return _wrappers()[1 if cache else 0](model).train(model.training)
 
 
 def export(model, out_dir, exporter: str = "legacy17", cache: bool = False, attn: str | None = None,

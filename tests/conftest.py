@@ -71,8 +71,8 @@ def exported(request, tiny_model):
                 if not (final / "model.onnx").exists():
                     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
                     try:
-                        # a copy: an exporter may change the module (torch.export, long-rope's switch), and the
-                        # session's model is every later export's and reference's
+                        # a copy: the session's model is every later export's and reference's, and a
+                        # third-party exporter (optimum, the genai builder) is not held to leave it as it was
                         factory.export(copy.deepcopy(tiny_model(family, attn)), tmp, exporter, cache,
                                        venvs=root.parent / "venvs")
                         tmp.rename(final)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import copy
 import importlib.util
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 import pytest
+import torch
 
 import factory
 from mtkc.ir import execute
@@ -135,6 +137,18 @@ def test_export_is_deterministic(exported, tiny_model, tmp_path):
     """A fresh export is byte-identical to the cached one (made by another process, possibly)."""
     fresh = factory.export(tiny_model("qwen2"), tmp_path, "legacy17", cache=True)
     assert fresh.read_bytes() == exported("qwen2", "legacy17", cache=True).read_bytes()
+
+
+@pytest.mark.parametrize("exporter", ["legacy14", "dynamo"])
+def test_export_leaves_the_model_as_it_was(tiny_model, tmp_path, exporter):
+    """An export changes neither the model's weights and buffers nor its modules' eval mode: it is
+    every later export's and reference's model (TorchScript's export used to leave it in train mode)."""
+    model = copy.deepcopy(tiny_model("phi35"))
+    modes = [m.training for m in model.modules()]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    factory.export(model, tmp_path, exporter, cache=True)
+    assert [m.training for m in model.modules()] == modes and not any(modes)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
 
 
 @pytest.mark.slow
