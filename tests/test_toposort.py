@@ -7,7 +7,7 @@ import onnx_graphsurgeon as gs
 import pytest
 
 from mtkc.errors import PassError
-from mtkc.ir.toposort import cycle_node, kahn_order
+from mtkc.ir.toposort import cycle_node, kahn_order, topo_order
 from mtkc.manager.invariants import restore
 
 
@@ -33,3 +33,49 @@ def test_pass_invariants_name_a_node_on_the_cycle():
     graph = gs.Graph(nodes, [x], [t["y"]], opset=17)
     with pytest.raises(PassError, match="pass 'p': the graph has a cycle through node 'loop_add'"):
         restore(graph, "p")
+
+
+def _random_dag(seed: int, n: int = 60) -> gs.Graph:
+    """Nodes reading up to three earlier tensors (some twice), listed in a shuffled order."""
+    rng = np.random.default_rng(seed)
+    x = gs.Variable("x", np.float32, [2])
+    tensors, nodes = [x], []
+    for i in range(n):
+        reads = [tensors[j] for j in rng.integers(0, len(tensors), size=int(rng.integers(1, 4)))]
+        out = gs.Variable(f"t{i}", np.float32, [2])
+        nodes.append(gs.Node("Sum", f"n{i}", inputs=reads, outputs=[out]))
+        tensors.append(out)
+    order = rng.permutation(n)
+    return gs.Graph([nodes[i] for i in order], [x], tensors[-3:], opset=17)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_topo_order_is_graphsurgeons_order_shuffled_or_sorted(seed):
+    graph = _random_dag(seed)
+    for _ in range(2):  # shuffled (the walk), then in some topological order (one forward sweep)
+        expected = [n.name for n in graph.copy().toposort().nodes]
+        order = topo_order(graph)
+        assert [n.name for n in order] == expected
+        graph.nodes = _another_topological_order(order, np.random.default_rng(seed))
+
+
+def _another_topological_order(order: list[gs.Node], rng) -> list[gs.Node]:
+    """Kahn's order with ready nodes taken at random: topological, usually not graphsurgeon's."""
+    index = {id(n): i for i, n in enumerate(order)}
+    succ = [[] for _ in order]
+    indegree = [0] * len(order)
+    for i, node in enumerate(order):
+        for t in node.inputs:
+            for p in t.inputs:
+                succ[index[id(p)]].append(i)
+                indegree[i] += 1
+    ready, out = [i for i, d in enumerate(indegree) if d == 0], []
+    while ready:
+        i = ready.pop(int(rng.integers(0, len(ready))))
+        out.append(order[i])
+        for j in succ[i]:
+            indegree[j] -= 1
+            if indegree[j] == 0:
+                ready.append(j)
+    assert len(out) == len(order)
+    return out
