@@ -1,4 +1,5 @@
-"""compiler.toposort: Kahn order and the node it names on a cycle (load checks and pass invariants)."""
+"""compiler.toposort: Kahn order, graphsurgeon's order and the node it names on a cycle; the graph_utils
+helpers that keep graphsurgeon's tensor links (load checks and pass invariants)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import onnx_graphsurgeon as gs
 import pytest
 
 from mtkc.errors import PassError
+from mtkc.ir import graph_utils as gu
 from mtkc.ir.toposort import cycle_node, kahn_order, topo_order
 from mtkc.manager.invariants import restore
 
@@ -79,3 +81,47 @@ def _another_topological_order(order: list[gs.Node], rng) -> list[gs.Node]:
                 ready.append(j)
     assert len(out) == len(order)
     return out
+
+
+def test_detach_and_set_input_keep_graphsurgeons_links():
+    """Unhooking by identity leaves every tensor's readers/producers as graphsurgeon's own
+    `clear()` and `inputs[i] = t` do (same lists, same order); a node reading a tensor twice too."""
+    def build():
+        x = gs.Variable("x", np.float32, [2])
+        c = gs.Constant("c", np.ones(2, np.float32))
+        outs = [gs.Variable(f"y{i}", np.float32, [2]) for i in range(5)]
+        nodes = [gs.Node("Add", f"n{i}", inputs=[x, c] if i % 2 else [c, c], outputs=[outs[i]]) for i in range(5)]
+        return x, c, nodes
+
+    def links(x, c, nodes):
+        return ([n.name for n in x.outputs], [n.name for n in c.outputs],
+                [([t.name for t in n.inputs], [t.name for t in n.outputs]) for n in nodes],
+                [[p.name for p in n.outputs[0].inputs] if n.outputs else None for n in nodes])
+
+    theirs, mine = build(), build()
+    for n in (theirs[2][3], theirs[2][0]):
+        n.inputs.clear()
+        n.outputs.clear()
+    gu.detach([mine[2][3], mine[2][0]])
+    assert links(*mine) == links(*theirs)
+    theirs, mine = build(), build()
+    z = [gs.Variable("z", np.float32, [2]) for _ in range(2)]
+    theirs[2][2].inputs[1] = z[0]
+    theirs[2][4].inputs[0] = z[0]
+    gu.set_input(mine[2][2], 1, z[1])
+    gu.set_input(mine[2][4], 0, z[1])
+    assert links(*mine) == links(*theirs)
+    assert [n.name for n in z[1].outputs] == [n.name for n in z[0].outputs] == ["n2", "n4"]
+
+
+def test_cleanup_drops_unused_inputs_as_graphsurgeon():
+    def build():
+        a, b, y = gs.Variable("a", np.float32, [2]), gs.Variable("b", np.float32, [2]), gs.Variable("y", np.float32, [2])
+        dead = gs.Variable("d", np.float32, [2])
+        nodes = [gs.Node("Relu", "dead", inputs=[b], outputs=[dead]), gs.Node("Relu", "live", inputs=[a], outputs=[y])]
+        return gs.Graph(nodes, [a, b], [y], opset=17)
+
+    theirs, mine = build().cleanup(remove_unused_graph_inputs=True), gu.cleanup(build(), unused_inputs=True)
+    assert [t.name for t in mine.inputs] == [t.name for t in theirs.inputs] == ["a"]
+    assert [n.name for n in mine.nodes] == [n.name for n in theirs.nodes] == ["live"]
+    assert [t.name for t in gu.cleanup(build()).inputs] == ["a", "b"]
