@@ -159,7 +159,7 @@ def merge_pairs(graph: gs.Graph, ctx: Context) -> int:
                 continue
             const = gu.make_constant(names.new(f"{node.name}/shape"), shape, np.int64)
             node.op, node.attrs = "Reshape", {}
-            node.inputs.clear()
+            gu.clear_inputs(node)
             node.inputs.extend([src, const])
             n += 1
     return n

@@ -83,7 +83,7 @@ def _another_topological_order(order: list[gs.Node], rng) -> list[gs.Node]:
     return out
 
 
-def test_detach_and_set_input_keep_graphsurgeons_links():
+def test_detach_clear_inputs_and_set_input_keep_graphsurgeons_links():
     """Unhooking by identity leaves every tensor's readers/producers as graphsurgeon's own
     `clear()` and `inputs[i] = t` do (same lists, same order); a node reading a tensor twice too."""
     def build():
@@ -103,6 +103,9 @@ def test_detach_and_set_input_keep_graphsurgeons_links():
         n.inputs.clear()
         n.outputs.clear()
     gu.detach([mine[2][3], mine[2][0]])
+    assert links(*mine) == links(*theirs)
+    theirs[2][1].inputs.clear()
+    gu.clear_inputs(mine[2][1])
     assert links(*mine) == links(*theirs)
     theirs, mine = build(), build()
     z = [gs.Variable("z", np.float32, [2]) for _ in range(2)]

@@ -111,6 +111,13 @@ def set_input(node: gs.Node, i: int, new: gs.Tensor) -> None:
     list.append(new.outputs, node)
 
 
+def clear_inputs(node: gs.Node) -> None:
+    """`node.inputs.clear()`, unhooking `node` from each input's readers by identity."""
+    for t in node.inputs:
+        _unhook(t.outputs, node)
+    list.clear(node.inputs)
+
+
 def detach(nodes: list[gs.Node]) -> None:
     """`inputs.clear()` and `outputs.clear()` of every node in `nodes`, unhooking by identity; the
     other readers/producers of their tensors keep their order."""
