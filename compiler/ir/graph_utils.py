@@ -158,7 +158,13 @@ class Names:
 
 def plain(graph: gs.Graph) -> bool:
     """No functions and no node with a subgraph attribute: the fast paths below apply."""
-    return not graph.functions and not any(isinstance(v, gs.Graph) for n in graph.nodes for v in n.attrs.values())
+    if graph.functions:
+        return False
+    for n in graph.nodes:  # loops, not any(<generator>): this runs twice after every pass
+        for v in n.attrs.values():
+            if isinstance(v, gs.Graph):
+                return False
+    return True
 
 
 def cleanup(graph: gs.Graph, unused_inputs: bool = False) -> gs.Graph:
