@@ -114,12 +114,18 @@ def _full_slice(node: gs.Node, ctx: Context) -> bool:
 def remove_noops(graph: gs.Graph, ctx: Context) -> int:
     n = 0
     inputs = _graph_inputs(graph)
+    outputs = {id(t) for t in graph.outputs}  # renamable() is True for the rest (and cheaper unasked)
     for node in list(graph.nodes):
-        if not node.outputs or id(node.outputs[0]) in inputs or not gu.renamable(graph, node.outputs[0], node.inputs[0]):
+        if not node.outputs or id(node.outputs[0]) in inputs:
+            continue
+        is_output = id(node.outputs[0]) in outputs
+        if is_output and not gu.renamable(graph, node.outputs[0], node.inputs[0]):
             continue
         if is_noop(node, ctx):
             gu.bypass(graph, node)
             n += 1
+            if is_output:
+                outputs = {id(t) for t in graph.outputs}  # bypass gave the output to another tensor
     return n
 
 
@@ -153,7 +159,7 @@ def merge_pairs(graph: gs.Graph, ctx: Context) -> int:
                 continue
             const = gu.make_constant(names.new(f"{node.name}/shape"), shape, np.int64)
             node.op, node.attrs = "Reshape", {}
-            node.inputs.clear()
+            gu.clear_inputs(node)
             node.inputs.extend([src, const])
             n += 1
     return n
@@ -173,7 +179,7 @@ def dedupe_constants(graph: gs.Graph, ctx: Context) -> int:
             continue
         keep = first.setdefault(key, t)
         if keep is not t:
-            gu.replace_uses(graph, t, keep)
+            gu.rewire(t, keep)  # t is no graph output
             n += 1
     return n
 
@@ -206,9 +212,8 @@ def cse(graph: gs.Graph) -> int:
         if other is node or len(other.outputs) != len(node.outputs):
             continue
         for mine, theirs in zip(node.outputs, other.outputs):
-            gu.replace_uses(graph, mine, theirs)
-        node.inputs.clear()
-        node.outputs.clear()
+            gu.rewire(mine, theirs)  # no output of `node` is a graph output
+        gu.detach([node])
         n += 1
     return n
 

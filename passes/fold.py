@@ -131,8 +131,7 @@ def fold_shapes(graph: gs.Graph, misses: list[Miss]) -> int:
             rank = len(shape)
             start, end = node.attrs.get("start", 0), node.attrs.get("end", rank)
             value = np.asarray(shape[slice(start, end)], dtype=np.int64)
-        node.outputs.clear()
-        node.inputs.clear()
+        gu.detach([node])
         out.to_constant(value)
         n += 1
     return n
@@ -163,9 +162,7 @@ def fold_subgraphs(graph: gs.Graph, ctx: Context, misses: list[Miss]) -> int:
         values = _run_each(graph, foldable, ctx, misses)
         foldable = [n for n in foldable if all(t.is_empty() or t.name in values for t in n.outputs)]
     frontier = _frontier(foldable)
-    for node in foldable:
-        node.inputs.clear()
-        node.outputs.clear()
+    gu.detach(foldable)
     for t in frontier:
         t.to_constant(values[t.name])
     return len(foldable)

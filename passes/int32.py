@@ -124,7 +124,7 @@ def _convert_constants(graph: gs.Graph, ctx: Context, names: gu.Names, misses: l
             if done[key] is None:
                 misses.append(Miss(node.name, f"constant '{t.name}' has values outside int32"))
                 continue
-            node.inputs[i] = done[key]
+            gu.set_input(node, i, done[key])  # t has many readers: unhook by identity
             n += 1
     return n
 

@@ -162,16 +162,17 @@ class Region:
             elif kind == "exit":
                 _to_reshape(node, node.inputs[0], gu.static_shape(out), names)
             elif kind == "expand":
-                node.inputs[1] = gu.make_constant(names.new(f"{node.name}/shape"), _merged(gu.static_shape(out), i), np.int64)
+                gu.set_input(node, 1, gu.make_constant(names.new(f"{node.name}/shape"), _merged(gu.static_shape(out), i),
+                                                       np.int64))
             elif kind == "tile":
                 reps = ints(node.inputs[1])
                 merged = reps[:i] + [reps[i] * reps[i + 1]] + reps[i + 2:]
-                node.inputs[1] = gu.make_constant(names.new(f"{node.name}/repeats"), merged, np.int64)
+                gu.set_input(node, 1, gu.make_constant(names.new(f"{node.name}/repeats"), merged, np.int64))
             elif kind == "elementwise":
                 rank = len(out.shape)
                 for k, t in enumerate(node.inputs):
                     if isinstance(t, gs.Constant) or not _high(t):
-                        node.inputs[k] = _lowered_operand(self.graph, t, rank, i, node, names)
+                        gu.set_input(node, k, _lowered_operand(self.graph, t, rank, i, node, names))
         for t in self.tensors:
             t.shape = list(_merged(gu.static_shape(t), i))
 
@@ -209,7 +210,7 @@ def _merged(shape, i: int) -> list[int]:
 def _to_reshape(node: gs.Node, x: gs.Tensor, shape, names: gu.Names) -> None:
     node.op, node.attrs = "Reshape", {}
     const = gu.make_constant(names.new(f"{node.name}/shape"), list(shape), np.int64)
-    node.inputs.clear()
+    gu.clear_inputs(node)  # its shape operand may be a constant hundreds of nodes read
     node.inputs.extend([x, const])
 
 

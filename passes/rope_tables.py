@@ -37,6 +37,7 @@ import onnx_graphsurgeon as gs
 from mtkc.contract import io
 from mtkc.ir.constants import constant_of, values
 from mtkc.ir.execute import run
+from mtkc.ir.graph_utils import cleanup
 from mtkc.rewrite.builder import Emit
 from mtkc.rewrite.markers import ROPE_TABLE
 from mtkc.rewrite.pattern import Refused
@@ -254,7 +255,7 @@ def _max_positions(ctx) -> int:
 
 def _evaluate(graph: gs.Graph, ctx, source: gs.Tensor, targets: list, max_pos: int) -> list[tuple[np.ndarray, int]]:
     """[(table [max_pos, F], rank of the target)] by running source -> targets on 0..max_pos-1."""
-    sub = graph.copy()
+    sub = _copy_upstream(graph, targets)
     tensors = sub.tensors()
     pos = tensors[source.name]
     pos.inputs.clear()
@@ -266,7 +267,7 @@ def _evaluate(graph: gs.Graph, ctx, source: gs.Tensor, targets: list, max_pos: i
     for out in sub.outputs:
         out.shape = None
         out.dtype = out.dtype or np.float32
-    sub.cleanup(remove_unused_graph_inputs=False)
+    cleanup(sub)
     loose = sorted({t.name for n in sub.nodes for t in n.inputs
                     if isinstance(t, gs.Variable) and not t.inputs and t is not pos and t.name})
     if loose:
@@ -282,6 +283,25 @@ def _evaluate(graph: gs.Graph, ctx, source: gs.Tensor, targets: list, max_pos: i
             raise Refused(f"cos/sin has shape {list(v.shape)} for {max_pos} positions, expected [.., {max_pos}, F]")
         tables.append((v.reshape(max_pos, v.shape[-1]).astype(np.float32), v.ndim))
     return tables
+
+
+def _copy_upstream(graph: gs.Graph, targets: list) -> gs.Graph:
+    """`graph.copy()` with only the nodes `targets` depend on (in graph order): what the cleanup of
+    the copy keeps is the same, without copying the rest of the graph."""
+    members = {id(n) for n in graph.nodes}
+    need: set[int] = set()
+    stack = list(targets)
+    while stack:
+        for p in stack.pop().inputs:
+            if id(p) in members and id(p) not in need:
+                need.add(id(p))
+                stack.extend(p.inputs)
+    nodes = graph.nodes
+    graph.nodes = [n for n in nodes if id(n) in need]
+    try:
+        return graph.copy()
+    finally:
+        graph.nodes = nodes
 
 
 def _gather(op: Emit, kind, table, source, rank):

@@ -1,4 +1,5 @@
-"""compiler.toposort: Kahn order and the node it names on a cycle (load checks and pass invariants)."""
+"""compiler.toposort: Kahn order, graphsurgeon's order and the node it names on a cycle; the graph_utils
+helpers that keep graphsurgeon's tensor links (load checks and pass invariants)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import onnx_graphsurgeon as gs
 import pytest
 
 from mtkc.errors import PassError
-from mtkc.ir.toposort import cycle_node, kahn_order
+from mtkc.ir import graph_utils as gu
+from mtkc.ir.toposort import cycle_node, kahn_order, topo_order
 from mtkc.manager.invariants import restore
 
 
@@ -33,3 +35,96 @@ def test_pass_invariants_name_a_node_on_the_cycle():
     graph = gs.Graph(nodes, [x], [t["y"]], opset=17)
     with pytest.raises(PassError, match="pass 'p': the graph has a cycle through node 'loop_add'"):
         restore(graph, "p")
+
+
+def _random_dag(seed: int, n: int = 60) -> gs.Graph:
+    """Nodes reading up to three earlier tensors (some twice), listed in a shuffled order."""
+    rng = np.random.default_rng(seed)
+    x = gs.Variable("x", np.float32, [2])
+    tensors, nodes = [x], []
+    for i in range(n):
+        reads = [tensors[j] for j in rng.integers(0, len(tensors), size=int(rng.integers(1, 4)))]
+        out = gs.Variable(f"t{i}", np.float32, [2])
+        nodes.append(gs.Node("Sum", f"n{i}", inputs=reads, outputs=[out]))
+        tensors.append(out)
+    order = rng.permutation(n)
+    return gs.Graph([nodes[i] for i in order], [x], tensors[-3:], opset=17)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_topo_order_is_graphsurgeons_order_shuffled_or_sorted(seed):
+    graph = _random_dag(seed)
+    for _ in range(2):  # shuffled (the walk), then in some topological order (one forward sweep)
+        expected = [n.name for n in graph.copy().toposort().nodes]
+        order = topo_order(graph)
+        assert [n.name for n in order] == expected
+        graph.nodes = _another_topological_order(order, np.random.default_rng(seed))
+
+
+def _another_topological_order(order: list[gs.Node], rng) -> list[gs.Node]:
+    """Kahn's order with ready nodes taken at random: topological, usually not graphsurgeon's."""
+    index = {id(n): i for i, n in enumerate(order)}
+    succ = [[] for _ in order]
+    indegree = [0] * len(order)
+    for i, node in enumerate(order):
+        for t in node.inputs:
+            for p in t.inputs:
+                succ[index[id(p)]].append(i)
+                indegree[i] += 1
+    ready, out = [i for i, d in enumerate(indegree) if d == 0], []
+    while ready:
+        i = ready.pop(int(rng.integers(0, len(ready))))
+        out.append(order[i])
+        for j in succ[i]:
+            indegree[j] -= 1
+            if indegree[j] == 0:
+                ready.append(j)
+    assert len(out) == len(order)
+    return out
+
+
+def test_detach_clear_inputs_and_set_input_keep_graphsurgeons_links():
+    """Unhooking by identity leaves every tensor's readers/producers as graphsurgeon's own
+    `clear()` and `inputs[i] = t` do (same lists, same order); a node reading a tensor twice too."""
+    def build():
+        x = gs.Variable("x", np.float32, [2])
+        c = gs.Constant("c", np.ones(2, np.float32))
+        outs = [gs.Variable(f"y{i}", np.float32, [2]) for i in range(5)]
+        nodes = [gs.Node("Add", f"n{i}", inputs=[x, c] if i % 2 else [c, c], outputs=[outs[i]]) for i in range(5)]
+        return x, c, nodes
+
+    def links(x, c, nodes):
+        return ([n.name for n in x.outputs], [n.name for n in c.outputs],
+                [([t.name for t in n.inputs], [t.name for t in n.outputs]) for n in nodes],
+                [[p.name for p in n.outputs[0].inputs] if n.outputs else None for n in nodes])
+
+    theirs, mine = build(), build()
+    for n in (theirs[2][3], theirs[2][0]):
+        n.inputs.clear()
+        n.outputs.clear()
+    gu.detach([mine[2][3], mine[2][0]])
+    assert links(*mine) == links(*theirs)
+    theirs[2][1].inputs.clear()
+    gu.clear_inputs(mine[2][1])
+    assert links(*mine) == links(*theirs)
+    theirs, mine = build(), build()
+    z = [gs.Variable("z", np.float32, [2]) for _ in range(2)]
+    theirs[2][2].inputs[1] = z[0]
+    theirs[2][4].inputs[0] = z[0]
+    gu.set_input(mine[2][2], 1, z[1])
+    gu.set_input(mine[2][4], 0, z[1])
+    assert links(*mine) == links(*theirs)
+    assert [n.name for n in z[1].outputs] == [n.name for n in z[0].outputs] == ["n2", "n4"]
+
+
+def test_cleanup_drops_unused_inputs_as_graphsurgeon():
+    def build():
+        a, b, y = gs.Variable("a", np.float32, [2]), gs.Variable("b", np.float32, [2]), gs.Variable("y", np.float32, [2])
+        dead = gs.Variable("d", np.float32, [2])
+        nodes = [gs.Node("Relu", "dead", inputs=[b], outputs=[dead]), gs.Node("Relu", "live", inputs=[a], outputs=[y])]
+        return gs.Graph(nodes, [a, b], [y], opset=17)
+
+    theirs, mine = build().cleanup(remove_unused_graph_inputs=True), gu.cleanup(build(), unused_inputs=True)
+    assert [t.name for t in mine.inputs] == [t.name for t in theirs.inputs] == ["a"]
+    assert [n.name for n in mine.nodes] == [n.name for n in theirs.nodes] == ["live"]
+    assert [t.name for t in gu.cleanup(build()).inputs] == ["a", "b"]

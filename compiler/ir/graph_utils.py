@@ -49,10 +49,7 @@ def replace_uses(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
     When `old` is a graph output, `new` takes over its name if it is a node output that is not
     itself graph I/O; otherwise an Identity named after the old producer keeps the output.
     """
-    for consumer in list(old.outputs):
-        for i, t in enumerate(consumer.inputs):
-            if t is old:
-                consumer.inputs[i] = new
+    rewire(old, new)
     if not any(t is old for t in graph.outputs):
         return
     if renamable(graph, old, new):
@@ -71,6 +68,14 @@ def replace_uses(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
     _swap_output(graph, old, out)
 
 
+def rewire(old: gs.Tensor, new: gs.Tensor) -> None:
+    """Every consumer of `old` reads `new` instead (graph outputs untouched: `replace_uses` for those)."""
+    for consumer in list(old.outputs):
+        for i, t in enumerate(consumer.inputs):
+            if t is old:
+                consumer.inputs[i] = new
+
+
 def _swap_output(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
     for i, t in enumerate(graph.outputs):
         if t is old:
@@ -83,6 +88,48 @@ def bypass(graph: gs.Graph, node: gs.Node, source: gs.Tensor | None = None) -> N
     replace_uses(graph, out, node.inputs[0] if source is None else source)
     node.outputs.clear()
     node.inputs.clear()
+
+
+# graphsurgeon keeps `tensor.outputs` (readers) and `tensor.inputs` (producers) in step with
+# `node.inputs`/`node.outputs`; unhooking a node does `list.remove` there, which compares with
+# `Node.__eq__` (names, attributes, every input and output) each reader before it: quadratic in a
+# tensor's readers (a shared constant has hundreds). Node names are unique (the pass manager's
+# invariant), so the node to unhook is the one identical to it: found by identity below.
+
+
+def _unhook(items: list, obj) -> None:
+    for k, x in enumerate(items):
+        if x is obj:
+            list.__delitem__(items, k)  # the base class's: no sync back
+            return
+
+
+def set_input(node: gs.Node, i: int, new: gs.Tensor) -> None:
+    """`node.inputs[i] = new`, unhooking `node` from the old tensor's readers by identity."""
+    _unhook(node.inputs[i].outputs, node)
+    list.__setitem__(node.inputs, i, new)
+    list.append(new.outputs, node)
+
+
+def clear_inputs(node: gs.Node) -> None:
+    """`node.inputs.clear()`, unhooking `node` from each input's readers by identity."""
+    for t in node.inputs:
+        _unhook(t.outputs, node)
+    list.clear(node.inputs)
+
+
+def detach(nodes: list[gs.Node]) -> None:
+    """`inputs.clear()` and `outputs.clear()` of every node in `nodes`, unhooking by identity; the
+    other readers/producers of their tensors keep their order."""
+    gone = {id(n) for n in nodes}
+    touched = {id(t): t for n in nodes for t in (*n.inputs, *n.outputs)}
+    for t in touched.values():
+        for side in (t.inputs, t.outputs):
+            if any(id(x) in gone for x in side):
+                list.__setitem__(side, slice(None), [x for x in side if id(x) not in gone])
+    for n in nodes:
+        list.clear(n.inputs)
+        list.clear(n.outputs)
 
 
 def keep_inputs(node: gs.Node, n: int) -> None:
@@ -111,33 +158,42 @@ class Names:
 
 def plain(graph: gs.Graph) -> bool:
     """No functions and no node with a subgraph attribute: the fast paths below apply."""
-    return not graph.functions and not any(isinstance(v, gs.Graph) for n in graph.nodes for v in n.attrs.values())
+    if graph.functions:
+        return False
+    for n in graph.nodes:  # loops, not any(<generator>): this runs twice after every pass
+        for v in n.attrs.values():
+            if isinstance(v, gs.Graph):
+                return False
+    return True
 
 
-def cleanup(graph: gs.Graph) -> gs.Graph:
-    """`graph.cleanup()` (default arguments) in linear time: drop nodes no graph output depends
-    on, clearing their inputs/outputs; graph inputs lose their producers; I/O lists untouched."""
+def cleanup(graph: gs.Graph, unused_inputs: bool = False) -> gs.Graph:
+    """`graph.cleanup(remove_unused_graph_inputs=unused_inputs)` in linear time: drop nodes no graph
+    output depends on, clearing their inputs/outputs; graph inputs lose their producers; with
+    `unused_inputs`, graph inputs nothing reads are dropped (by name, and through producers outside
+    `graph.nodes`, as graphsurgeon does; without it only the graph's own nodes count)."""
     if not plain(graph):
-        return graph.cleanup()
+        return graph.cleanup(remove_unused_graph_inputs=unused_inputs)
     for t in graph.inputs:
         t.inputs.clear()
     members = {id(n) for n in graph.nodes}
     used: set[int] = set()
-    seen: set[int] = set()
+    seen: dict[int, gs.Tensor] = {}
     stack = [t for t in graph.outputs]
     while stack:
         t = stack.pop()
         if id(t) in seen:
             continue
-        seen.add(id(t))
+        seen[id(t)] = t
         for p in t.inputs:
-            if id(p) in members and id(p) not in used:
+            if (unused_inputs or id(p) in members) and id(p) not in used:
                 used.add(id(p))
                 stack.extend(p.inputs)
+    if unused_inputs:
+        read = {t.name for t in seen.values()}
+        graph.inputs = [t for t in graph.inputs if t.name in read]
     dead = [n for n in graph.nodes if id(n) not in used]
-    for node in dead:
-        node.inputs.clear()
-        node.outputs.clear()
+    detach(dead)
     if dead:
         graph.nodes = [n for n in graph.nodes if id(n) in used]
     return graph

@@ -25,7 +25,7 @@ import onnx
 import onnx.numpy_helper
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import OnnxExporter, dtype_to_onnx
-from onnx_graphsurgeon.importers.onnx_importer import get_onnx_tensor_dtype, get_onnx_tensor_shape
+from onnx_graphsurgeon.importers.onnx_importer import get_onnx_tensor_dtype
 
 from mtkc.errors import InputError
 from mtkc.ir import constants, shape_values
@@ -73,18 +73,43 @@ def _onnx_infer(graph: gs.Graph, proto: onnx.ModelProto, data_prop: bool, known:
     inferred = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=data_prop)
     infos = {vi.name: vi for vi in [*inferred.graph.value_info, *inferred.graph.output]}
     tensors = graph.tensors()
-    for name, tensor in tensors.items():
-        vi = infos.get(name)
-        if vi is None or not isinstance(tensor, gs.Variable) or not vi.type.HasField("tensor_type"):
+    types: dict[bytes, tuple | None] = {}  # the layers of an LLM repeat their value types
+    for name, vi in infos.items():
+        tensor = tensors.get(name)
+        if tensor is None or not isinstance(tensor, gs.Variable):
             continue
-        if vi.type.tensor_type.elem_type:
-            tensor.dtype = get_onnx_tensor_dtype(vi)
-        shape = get_onnx_tensor_shape(vi)
+        key = vi.type.SerializeToString()
+        if key not in types:
+            types[key] = _value_type(vi.type)
+        if types[key] is None:
+            continue
+        dtype, shape = types[key]
+        if dtype is not None:
+            tensor.dtype = dtype
         if shape is not None:
-            tensor.shape = shape
+            tensor.shape = list(shape)
     for name, value in (known or {}).items():
         tensor = tensors[name]
         tensor.dtype, tensor.shape = value.dtype, list(value.shape)
+
+
+def _value_type(type_proto: onnx.TypeProto) -> tuple | None:
+    """(dtype or None, dims or None) as graphsurgeon's importer reads a tensor type; None for
+    another type."""
+    if not type_proto.HasField("tensor_type"):
+        return None
+    typed = type_proto.tensor_type
+    dtype = _dtype(typed.elem_type) if typed.elem_type else None
+    if not typed.HasField("shape"):
+        return dtype, None
+    return dtype, tuple(d.dim_param if d.HasField("dim_param") else d.dim_value if d.HasField("dim_value") else None
+                        for d in typed.shape.dim)
+
+
+@functools.cache
+def _dtype(elem_type: int):
+    """graphsurgeon's dtype of a tensor-typed value info of this element type (numpy's, or the ONNX enum)."""
+    return get_onnx_tensor_dtype(onnx.helper.make_tensor_value_info("t", elem_type, None))
 
 
 def _announced_ranges(graph: gs.Graph, known: dict[str, np.ndarray] | None = None) -> int:

@@ -21,6 +21,7 @@ Checked (a violation names the pass and the tensor/node):
 
 from __future__ import annotations
 
+import functools
 from numbers import Integral
 
 import onnx_graphsurgeon as gs
@@ -127,8 +128,8 @@ def check_dtypes(graph: gs.Graph, p=None, error: type[MtkcError] | None = None) 
         if node.domain or node.op not in _TIED:
             continue
         positions = _TIED[node.op] or range(len(node.inputs))
-        floats = {np.dtype(node.inputs[i].dtype).name for i in positions if i < len(node.inputs)
-                  and node.inputs[i].dtype is not None and np.issubdtype(np.dtype(node.inputs[i].dtype), np.floating)}
+        floats = {_float_name(node.inputs[i].dtype) for i in positions if i < len(node.inputs)
+                  and node.inputs[i].dtype is not None} - {None}
         if len(floats) > 1:
             what = f"node '{node.name}' ({node.op}) mixes {' and '.join(sorted(floats))} inputs"
             if p is None:
@@ -137,6 +138,12 @@ def check_dtypes(graph: gs.Graph, p=None, error: type[MtkcError] | None = None) 
                 raise InternalError(f"pass '{p.name}' left {what}: a bug in mtkc; rerun with MTKC_TRACEBACK=1 and "
                                     "report the output")
             raise PassError(f"pass '{p.name}' ({p.origin}) left {what}")
+
+
+@functools.cache
+def _float_name(dtype) -> str | None:
+    """numpy's name of a float dtype, None for any other."""
+    return np.dtype(dtype).name if np.issubdtype(np.dtype(dtype), np.floating) else None
 
 
 def io_contract(graph: gs.Graph) -> tuple[list[tuple], list[tuple]]:
@@ -198,24 +205,29 @@ def _stage(pass_name: str | None) -> str:
     return f"pass '{pass_name}'" if pass_name else "input model"
 
 
-def _tensors(graph: gs.Graph):
-    yield from graph.inputs
+def _tensors(graph: gs.Graph) -> list[gs.Tensor]:
+    """Graph inputs, each node's inputs and outputs, graph outputs (repeats kept), in that order."""
+    found = list(graph.inputs)
     for node in graph.nodes:
-        yield from node.inputs
-        yield from node.outputs
-    yield from graph.outputs
+        found += node.inputs
+        found += node.outputs
+    found += graph.outputs
+    return found
 
 
-def _variables(graph: gs.Graph):
-    seen: set[int] = set()
-    for t in _tensors(graph):
-        if isinstance(t, gs.Variable) and t.name and id(t) not in seen:
-            seen.add(id(t))
-            yield t
+def _variables(graph: gs.Graph) -> list[gs.Variable]:
+    """The named variables of `_tensors`, each once, in first-seen order."""
+    unique = {id(t): t for t in _tensors(graph) if t.name and isinstance(t, gs.Variable)}
+    return list(unique.values())
 
 
 def static(t: gs.Tensor) -> bool:
-    return t.shape is not None and all((isinstance(d, int) or isinstance(d, Integral)) and d >= 0 for d in t.shape)
+    if t.shape is None:
+        return False
+    for d in t.shape:  # a loop, not all(<generator>): this runs for every tensor after every pass
+        if not ((isinstance(d, int) or isinstance(d, Integral)) and d >= 0):
+            return False
+    return True
 
 
 def _shape_text(t: gs.Tensor) -> str:

@@ -13,7 +13,7 @@ from mtkc.analysis.decoder import decoder_map
 from mtkc.contract import cache as layouts
 from mtkc.contract import io as contract_io
 from mtkc.errors import InputError
-from mtkc.ir.graph_utils import Names as NodeNames
+from mtkc.ir.graph_utils import Names as NodeNames, cleanup
 from mtkc.analysis.cache import KINDS, layer_caches
 from mtkc.passes.kv_cache.plan import cache_options, kv_on
 from mtkc.rewrite.pass_api import Context, Pass, PassResult, register
@@ -34,6 +34,7 @@ class KvCacheIo(Pass):
         outputs = {o.name: o for o in graph.outputs}
         position = {o.name: i for i, o in enumerate(graph.outputs)}  # list.index per layer is quadratic
         names = NodeNames(graph)
+        inputs = {t.name for t in graph.inputs}  # `in graph.inputs` compares names, one by one
         rewrites = 0
         for layer in layer_caches(graph, ctx.analysis(decoder_map, graph)):
             for kind in KINDS:
@@ -47,7 +48,7 @@ class KvCacheIo(Pass):
                 full.name = f"kv_{kind}_{layer.index}"
                 if mode == "new":
                     present = concat.inputs[1]
-                    if present in graph.inputs or isinstance(present, gs.Constant):
+                    if present.name in inputs or isinstance(present, gs.Constant):
                         raise InputError(f"{full.name}: the new {kind} entries are not computed by the graph")
                 else:
                     present = gs.Variable(name, dtype, [1, hkv, c, d])
@@ -62,7 +63,7 @@ class KvCacheIo(Pass):
                 present.shape = [1, hkv, t if mode == "new" else c, d]
                 graph.outputs[position[name]] = present
                 rewrites += 1
-        graph.cleanup(remove_unused_graph_inputs=True)  # e.g. new_token_mask once its Shape folded
+        cleanup(graph, unused_inputs=True)  # e.g. new_token_mask once its Shape folded
         contract_order(graph)
         return PassResult(rewrites=rewrites)
 
