@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mtkc.analysis.decoder import decoder_map
+from mtkc.analysis.regions import layer_boundaries
 from mtkc.errors import InputError
 from mtkc.ir import model as mmodel
 from mtkc.options import of
@@ -176,8 +177,7 @@ def test_layer_boundaries_are_the_residual_stream(exported):
     model = mmodel.load(exported("llama", "legacy17", cache=True))
     graph = model.graph
     kv_cache.KvCache().run(graph, Context(None, {"kv_cache": True}, model.root))
-    layers = kv_cache.layer_caches(graph, decoder_map(graph))
-    bounds = kv_cache.layer_boundaries(graph, layers)
+    bounds = layer_boundaries(graph, decoder_map(graph))
     assert set(bounds) == {0, 1}
     assert bounds[0] is not bounds[1]
     # layer 1's boundary: the residual stream after layer 0's MLP Add; TorchScript starts layer 1's
