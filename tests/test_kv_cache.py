@@ -10,6 +10,7 @@ import onnx_graphsurgeon as gs
 import pytest
 import torch
 
+from mtkc.analysis.cache import probe_length
 from mtkc.analysis.decoder import decoder_map
 from mtkc.analysis.regions import layer_boundaries
 from mtkc.errors import InputError
@@ -201,3 +202,31 @@ def test_uneven_chunks_generate_the_same_tokens(tmp_path):
     assert presents["prefill_0"] == ["present_key_0", "present_key_1"] and presents["prefill_1"] == ["present_key_2"]
     prompt = [5, 17, 300, 42, 7, 9, 11, 13, 15, 200]
     assert Generator(out).generate(prompt, 8) == factory.reference_generate(model, prompt, 8)
+
+
+def test_a_model_dimension_equal_to_the_probe_length_is_told_apart(tmp_path, run_cli):
+    """97 kv heads (the first probe length) behind TorchScript's `view(..., -1, head_dim)`: only
+    inference finds that dim, so the probe of the cache insert saw [1, 97, 2, 97, 2] at GQA's Expand
+    and refused ("cannot tell the sequence axis"); a second probe at another length tells them apart.
+    The compiled graphs match the export (verify's oracle)."""
+    import factory
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(hidden_size=388, num_hidden_layers=1, num_attention_heads=194, num_key_value_heads=97,
+                         intermediate_size=64, vocab_size=128, max_position_embeddings=256, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+    source = factory.export(model, tmp_path / "src", "legacy17", cache=False)
+    assert probe_length(gs.import_onnx(onnx.load(str(source), load_external_data=False))) == 97
+    out = tmp_path / "out"
+    compile_model(source, "8.0", out, {"seq_len": T, "cache_len": C, "kv_cache": True})
+    code, _, err = run_cli("verify", out, "--samples", 1)
+    assert code == 0, err
+
+
+def test_the_probe_length_is_no_declared_dim_or_small_constant():
+    x = gs.Variable("x", np.float32, ["s", 97])
+    shape = gs.Constant("shape", np.array([1, 98, -1], np.int64))
+    y = gs.Variable("y", np.float32, None)
+    graph = gs.Graph([gs.Node("Reshape", inputs=[x, shape], outputs=[y])], [x], [y])
+    assert probe_length(graph) == 99 and probe_length(graph, start=100) == 100
