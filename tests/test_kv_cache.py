@@ -189,7 +189,8 @@ def test_layer_boundaries_are_the_residual_stream(exported):
 
 
 def test_uneven_chunks_generate_the_same_tokens(tmp_path):
-    """3 layers in 2 chunks: layers 0-1 and 2; greedy tokens still equal transformers'."""
+    """3 layers in 2 chunks: layers 0-1 and 2 (the quantisation units numbered so too); greedy tokens
+    still equal transformers'."""
     import factory
 
     model = factory.build_model("qwen2", "tiny", seed=0, layers=3)
@@ -200,6 +201,8 @@ def test_uneven_chunks_generate_the_same_tokens(tmp_path):
     presents = {g["name"]: sorted(o["name"] for o in g["outputs"] if o["name"].startswith("present_key"))
                 for g in manifest["graphs"]}
     assert presents["prefill_0"] == ["present_key_0", "present_key_1"] and presents["prefill_1"] == ["present_key_2"]
+    units = {g["name"]: ([x["index"] for x in g["decoder"]["layers"]], g["decoder"]["lm_head"]) for g in manifest["graphs"]}
+    assert units["prefill_0"] == ([0, 1], None) and units["prefill_1"][0] == [2] and units["prefill_1"][1]  # by past_key_i
     prompt = [5, 17, 300, 42, 7, 9, 11, 13, 15, 200]
     assert Generator(out).generate(prompt, 8) == factory.reference_generate(model, prompt, 8)
 
