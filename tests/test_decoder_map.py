@@ -16,13 +16,13 @@ import onnx_graphsurgeon as gs
 import pytest
 
 from mtkc.analysis.decoder import decoder_map
+from mtkc.analysis.regions import layer_regions
 from mtkc.ir.model import load
 from mtkc.manager.pass_manager import resolve_pipeline, run_pipeline
 from mtkc.pipeline.registry import load_registry
 from mtkc.options import of
 from mtkc.analysis.cache import find_caches, layer_caches
 from mtkc.passes.kv_cache.plan import chunk_ranges, variants
-from mtkc.pipeline import quantsim
 from mtkc.rewrite.pass_api import Context
 from mtkc.target.capability import load_table
 
@@ -114,10 +114,12 @@ def test_without_a_cache_the_refused_layer_compiles_and_explain_names_it(exporte
 
 def test_one_layer_numbering_before_and_after_the_pipeline(exported):
     """Layer i is the same layer for the map, the kv-cache detector (`past_key_i`), `--chunks`
-    (plan/chunks read the map) and quantsim's node names (`layers.<i>/`, legacy exports)."""
+    (plan/chunks read the map) and the quantisation units (`mtkc.analysis.regions`: layer i's attention
+    is in region i)."""
     model = load(exported("qwen2", "legacy17", True))
     raw = decoder_map(model.graph)
-    assert [quantsim.layer_of(onnx.helper.make_node("Softmax", [], [], name=x.anchor)) for x in raw.layers] == [0, 1]
+    regions = layer_regions(model.graph, raw)
+    assert [[i for i, r in regions.items() if x.anchor in {n.name for n in r.nodes}] for x in raw.layers] == [[0], [1]]
     assert [x.past for x in raw.layers] == [{k: t.name for k, t in c.past.items()} for c in find_caches(model.graph)]
     graph = gs.import_onnx(gs.export_onnx(model.graph, do_type_check=False))
     ctx = Context(load_table("8.0"), dict(seq_len=8, cache_len=16, kv_cache=True, variant="prefill"),

@@ -350,3 +350,37 @@ def test_a_manifest_sdk_or_arch_that_is_no_string_is_exit_2(calibrated_out, tmp_
     (out / "manifest.json").write_text(json.dumps(manifest))
     r = run_cli(["convert", out, "--quant", "A16W8", "--no-convert"])
     assert_contract(r, 2, f"manifest.json: {key}: not a string")
+
+
+NODE = object()  # stands for a node name the graph has
+DECODER_EDITS = [
+    (None, "decoder: missing (compiled by an mtkc without decoder layer records)"),
+    ([], 'expected {"layers": [...], "lm_head"}'),
+    ({"layers": [{"index": "1", "nodes": []}]}, "layer index '1': expected 0.."),
+    ({"layers": [{"index": True, "nodes": []}]}, "layer index 'True'"),
+    ({"layers": [{"index": -1, "nodes": []}]}, "layer index '-1'"),
+    ({"layers": [{"index": 2**40, "nodes": []}]}, "layer index '1099511627776'"),
+    ({"layers": [{"index": 0, "nodes": []}, {"index": 0, "nodes": []}]}, "layer 0 listed twice"),
+    ({"layers": [{"index": 0, "nodes": "abc"}]}, "layer 0: nodes not a list"),
+    ({"layers": [{"index": 0, "nodes": ["nowhere"]}]}, "unit 0: node 'nowhere' is in none of the graph's partitions"),
+    ({"layers": [{"index": 0, "nodes": [NODE]}, {"index": 1, "nodes": [NODE]}]}, "is in units 0 and 1"),
+    ({"layers": [{"index": 0, "nodes": [], "output": 7}]}, "layer 0: output not a string"),
+    ({"layers": [], "lm_head": ["x"]}, "unit lm_head: node \"['x']\" is in none"),
+]
+
+
+@pytest.mark.parametrize("decoder,says", DECODER_EDITS)
+def test_a_bad_decoder_layer_record_is_exit_2(calibrated_out, tmp_path, decoder, says):
+    """graphs[].decoder (the quantisation units compile found) read back as untrusted: one line, exit 2."""
+    out = tmp_path / "out"
+    shutil.copytree(calibrated_out, out, symlinks=True)
+    manifest = json.loads((out / "manifest.json").read_text())
+    node = manifest["graphs"][0]["partitions"][0]["nodes"][0]
+    if decoder is None:
+        del manifest["graphs"][0]["decoder"]
+    else:
+        text = json.dumps(decoder, default=lambda _: node)
+        manifest["graphs"][0]["decoder"] = json.loads(text)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    r = run_cli(["verify", out, "--quant", "A16W8", "--new-tokens", "1"])
+    assert_contract(r, 2, says)

@@ -10,7 +10,9 @@ import onnx_graphsurgeon as gs
 import pytest
 import torch
 
+from mtkc.analysis.cache import probe_length
 from mtkc.analysis.decoder import decoder_map
+from mtkc.analysis.regions import layer_boundaries
 from mtkc.errors import InputError
 from mtkc.ir import model as mmodel
 from mtkc.options import of
@@ -176,8 +178,7 @@ def test_layer_boundaries_are_the_residual_stream(exported):
     model = mmodel.load(exported("llama", "legacy17", cache=True))
     graph = model.graph
     kv_cache.KvCache().run(graph, Context(None, {"kv_cache": True}, model.root))
-    layers = kv_cache.layer_caches(graph, decoder_map(graph))
-    bounds = kv_cache.layer_boundaries(graph, layers)
+    bounds = layer_boundaries(graph, decoder_map(graph))
     assert set(bounds) == {0, 1}
     assert bounds[0] is not bounds[1]
     # layer 1's boundary: the residual stream after layer 0's MLP Add; TorchScript starts layer 1's
@@ -188,7 +189,8 @@ def test_layer_boundaries_are_the_residual_stream(exported):
 
 
 def test_uneven_chunks_generate_the_same_tokens(tmp_path):
-    """3 layers in 2 chunks: layers 0-1 and 2; greedy tokens still equal transformers'."""
+    """3 layers in 2 chunks: layers 0-1 and 2 (the quantisation units numbered so too); greedy tokens
+    still equal transformers'."""
     import factory
 
     model = factory.build_model("qwen2", "tiny", seed=0, layers=3)
@@ -199,5 +201,35 @@ def test_uneven_chunks_generate_the_same_tokens(tmp_path):
     presents = {g["name"]: sorted(o["name"] for o in g["outputs"] if o["name"].startswith("present_key"))
                 for g in manifest["graphs"]}
     assert presents["prefill_0"] == ["present_key_0", "present_key_1"] and presents["prefill_1"] == ["present_key_2"]
+    units = {g["name"]: ([x["index"] for x in g["decoder"]["layers"]], g["decoder"]["lm_head"]) for g in manifest["graphs"]}
+    assert units["prefill_0"] == ([0, 1], None) and units["prefill_1"][0] == [2] and units["prefill_1"][1]  # by past_key_i
     prompt = [5, 17, 300, 42, 7, 9, 11, 13, 15, 200]
     assert Generator(out).generate(prompt, 8) == factory.reference_generate(model, prompt, 8)
+
+
+def test_a_model_dimension_equal_to_the_probe_length_is_told_apart(tmp_path, run_cli):
+    """97 kv heads (the first probe length) behind TorchScript's `view(..., -1, head_dim)`: only
+    inference finds that dim, so the probe of the cache insert saw [1, 97, 2, 97, 2] at GQA's Expand
+    and refused ("cannot tell the sequence axis"); a second probe at another length tells them apart.
+    The compiled graphs match the export (verify's oracle)."""
+    import factory
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(hidden_size=388, num_hidden_layers=1, num_attention_heads=194, num_key_value_heads=97,
+                         intermediate_size=64, vocab_size=128, max_position_embeddings=256, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+    source = factory.export(model, tmp_path / "src", "legacy17", cache=False)
+    assert probe_length(gs.import_onnx(onnx.load(str(source), load_external_data=False))) == 97
+    out = tmp_path / "out"
+    compile_model(source, "8.0", out, {"seq_len": T, "cache_len": C, "kv_cache": True})
+    code, _, err = run_cli("verify", out, "--samples", 1)
+    assert code == 0, err
+
+
+def test_the_probe_length_is_no_declared_dim_or_small_constant():
+    x = gs.Variable("x", np.float32, ["s", 97])
+    shape = gs.Constant("shape", np.array([1, 98, -1], np.int64))
+    y = gs.Variable("y", np.float32, None)
+    graph = gs.Graph([gs.Node("Reshape", inputs=[x, shape], outputs=[y])], [x], [y])
+    assert probe_length(graph) == 99 and probe_length(graph, start=100) == 100

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.analysis.decoder import QDQ, DecoderMap, decoder_map, present_of
@@ -28,7 +29,8 @@ from mtkc.display import escape
 from mtkc.errors import InputError, InternalError
 
 KINDS = contract_io.KINDS
-PROBE_SEQ = 97  # a sequence length no model dimension is likely to equal
+PROBE_START = 97  # the first sequence length a shape probe tries (`probe_length`)
+SMALL = 64  # integer constants up to this many elements are read for their values (shapes, axes)
 MS = "com.microsoft"
 _COPIES = ("Identity", *sorted(QDQ))
 
@@ -189,7 +191,7 @@ def cache_head_dims(graph: gs.Graph, pasts: list[tuple[gs.Variable, gs.Node]], r
     found = dict(gqa_caches(graph))
     if not pasts:
         return found
-    probe = probe_shapes(graph, root, keep={id(p) for p, _ in pasts})
+    probe, _ = probe_shapes(graph, root, keep={id(p) for p, _ in pasts})
     for past, concat in pasts:
         shape = probe.get(concat.inputs[1].name)
         if shape is not None and len(shape) == 4 and all(isinstance(shape[a], int) for a in (1, 3)):
@@ -212,20 +214,40 @@ def layer_pasts(layers: list[LayerCache]) -> list[tuple[gs.Variable, gs.Node]]:
     return [(layer.past[k], layer.concat[k]) for layer in layers for k in KINDS]
 
 
-def probe_shapes(graph: gs.Graph, root=None, keep: set[int] = frozenset()) -> dict[str, list]:
-    """Tensor shapes with every symbolic input dim set to 1 (batch) or PROBE_SEQ (the rest):
-    static Hkv and D where symbolic inference leaves them unknown (TorchScript's runtime
-    reshapes), and the sequence axis recognisable by its value. Inputs in `keep` (ids: cache
-    inputs) have only their batch and length axes set; their other symbols stay unknown."""
+def probe_length(graph: gs.Graph, start: int = PROBE_START) -> int:
+    """The sequence length of a shape probe: the smallest from `start` that is no static dim of any
+    tensor (inputs, value infos, initializers: their dims are in the proto) and no value of a small
+    integer constant (Reshape/Expand shapes, heads). A dim only inference finds (a Reshape's -1) may
+    still equal it: a second probe at another length tells them apart (`kv-cache`'s insert). No weight
+    is read: only integer constants of at most SMALL elements."""
+    taken = set()
+    constants = [node.attrs["value"] for node in graph.nodes if node.op == "Constant" and "value" in node.attrs]
+    for t in [*graph.tensors().values(), *constants]:
+        taken.update(d for d in t.shape or () if isinstance(d, int))
+        if isinstance(t, gs.Constant) and np.dtype(t.dtype).kind in "iu" and int(np.prod(t.shape)) <= SMALL:
+            taken.update(int(v) for v in np.asarray(t.values).ravel())
+    length = start
+    while length in taken:
+        length += 1
+    return length
+
+
+def probe_shapes(graph: gs.Graph, root=None, keep: set[int] = frozenset(),
+                 start: int = PROBE_START) -> tuple[dict[str, list], int]:
+    """(tensor shapes, the probe length S) with every symbolic input dim set to 1 (batch) or S =
+    `probe_length(graph, start)` (the rest): static Hkv and D where symbolic inference leaves them unknown
+    (TorchScript's runtime reshapes), and the sequence axis recognisable by its value. Inputs in
+    `keep` (ids: cache inputs) have only their batch and length axes set; their other symbols stay unknown."""
     kept = {t.name for t in graph.inputs if id(t) in keep}
+    length = probe_length(graph, start)
     probe = graph.copy()
     for t in probe.inputs:
         t.shape = [d if isinstance(d, int) or (t.name in kept and axis not in (0, 2))
-                   else (1 if axis == 0 else PROBE_SEQ) for axis, d in enumerate(t.shape or [])]
+                   else (1 if axis == 0 else length) for axis, d in enumerate(t.shape or [])]
         if contract_io.is_mask(t.name) and len(t.shape) == 4:  # additive, no past yet: [1, 1, S, S]
-            t.shape = [1, 1, PROBE_SEQ, PROBE_SEQ]
+            t.shape = [1, 1, length, length]
     shapes.infer(probe, root)
-    return {name: t.shape for name, t in probe.tensors().items()}
+    return {name: t.shape for name, t in probe.tensors().items()}, length
 
 
 # -- GroupQueryAttention's cache (its attributes and inputs) -------------------------------------

@@ -9,6 +9,11 @@
 ("option": given by the user or config, "default": `mtkc.contract.mask.DEFAULT_VALUE`).
 `model.sha256` is the compiled ONNX file's digest: verify refuses another model.
 
+`graphs[].decoder` is the graph's quantisation units, found by structure (`decoder_entry`):
+`{"layers": [{"index", "output", "nodes"}], "lm_head"}`: layer i's node names (`mtkc.analysis.regions`;
+i is the one `past_key_<i>`, `--chunks` and `check` use), the tensor leaving it, and the LM head's
+MatMul/Gemm (null when the graph has no logits). verify --quant and convert --plan read it.
+
 A graph input made by an earlier graph (layer chunks: chunk k's `hidden_states` is chunk k-1's
 `hidden_states_out`) carries `"from": {"graph", "output"}`; runtimes and verify wire by it.
 
@@ -21,13 +26,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from mtkc.contract import mask
+from mtkc.analysis.decoder import decoder_map
+from mtkc.analysis.regions import layer_regions
+from mtkc.contract import io, mask
+from mtkc.errors import InputError
+
+log = logging.getLogger("mtkc")
 
 SCHEMA_VERSION = 1
 
@@ -50,6 +61,24 @@ def graph_entry(name: str, path: str, graph: gs.Graph, partitions: list[dict] | 
         "outputs": [tensor_spec(t) for t in graph.outputs],
         "partitions": list(partitions or []),
     }
+
+
+def decoder_entry(graph: gs.Graph) -> dict[str, Any]:
+    """`graphs[].decoder` of a compiled graph (see the module docstring). A layer's index is its cache's
+    contract number (`past_key_<i>`: a layer chunk's first layer is not 0), else the map's."""
+    dm = decoder_map(graph)
+    try:
+        regions = layer_regions(graph, dm)
+    except InputError as exc:  # a pipeline without the contract I/O (--passes): no units, said once
+        log.warning("mtkc: graph without decoder layer units (%s): verify --quant reports no layer", exc)
+        regions = {}
+    layers = []
+    for index, region in regions.items():
+        parsed = io.cache_name(dm.layers[index].past.get("key", ""))
+        layers.append({"index": parsed[2] if parsed else index, "nodes": [n.name for n in region.nodes],
+                       "output": region.output.name if region.output is not None else None})
+    has_logits = any(o.name == io.LOGITS for o in graph.outputs)
+    return {"layers": layers, "lm_head": dm.logits if has_logits else None}
 
 
 def build(

@@ -133,6 +133,7 @@ def _check_specs(specs, where: str, need, wired: bool = True) -> None:
     need(isinstance(specs, list), where, "missing or not a list")
     for k, spec in enumerate(specs):
         need(isinstance(spec, dict) and isinstance(spec.get("name"), str), f"{where}[{k}]", "expected {\"name\", ...}")
+        need("shape" in spec, f"{where}[{k}].shape", "missing")  # readers index it (the hand-off's jobs)
         shape = spec.get("shape")
         need(shape is None or (isinstance(shape, list) and all(d is None or isinstance(d, str) or
                                                                 (type(d) is int and 0 <= d < MAX_DIM) for d in shape)),

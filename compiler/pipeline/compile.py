@@ -90,7 +90,8 @@ def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.Pat
         sdk=str(table.version),
         arch=getattr(table, "arch", None) or options.arch,
         options=options.manifest(),
-        graphs=[manifest.graph_entry(v.name, f"{v.name}.onnx", v.graph, v.partitions, wiring.get(v.name)) for v in variants],
+        graphs=[{**manifest.graph_entry(v.name, f"{v.name}.onnx", v.graph, v.partitions, wiring.get(v.name)),
+                 "decoder": manifest.decoder_entry(v.graph)} for v in variants],
         coverage={"raw": result.raw and result.raw.coverage, "compiled": min(known) if known else None, "graphs": by_graph},
         passes=[r.stats() for v in variants for r in v.compiled.records],
     )

@@ -13,7 +13,7 @@ from mtkc.backend.quant_handoff import PRECISION, Quant
 from mtkc.errors import InputError
 from mtkc.backend.calibration_data import check_samples, folder_name, sample_files
 from mtkc.pipeline.calibrate import npu_partitions, save_manifest
-from mtkc.pipeline.quantplan import read_plan, unit_key, unit_of
+from mtkc.pipeline.quantplan import Units, read_plan, unit_key
 from mtkc.pipeline.verify import load_manifest
 from mtkc.target.capability import load_table
 
@@ -47,14 +47,15 @@ def plan_settings(out: Path, manifest: dict, scheme: str, path: str | Path) -> d
         raise InputError(f"--plan {path}: the plan is for {base}, not --quant {scheme}")
     shares: dict[str, int] = {}
     nodes: dict = {u: [] for u in units}
-    for _, part in npu_partitions(manifest):
+    known = Units(out, manifest)
+    for graph_entry, part in npu_partitions(manifest):
         graph = onnx.load(str(out / part["path"]), load_external_data=False).graph
         dims = {t.name: list(t.dims) for t in graph.initializer}
         for node in graph.node:
             weight = node.input[1] if node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 else None
             if weight not in dims:
                 continue
-            unit = unit_of(node)
+            unit = known.of(graph_entry["name"], node.name)
             precision = PRECISION[units.get(unit, scheme)]
             shares[precision] = shares.get(precision, 0) + int(np.prod(dims[weight]))
             if unit in nodes:

@@ -1,6 +1,8 @@
 """Mixed precision: which scheme each quantised unit (decoder layer i, the LM head) runs at.
 
-    unit      "layer i" = `layer_of` (exporter node names `layers.<i>/`), the LM head = "lm_head"
+    unit      "layer i": the nodes compile recorded as layer i (manifest `graphs[].decoder`, found by
+              structure: `mtkc.analysis.regions`; i as in `past_key_<i>`, `--chunks`, `check`), the LM
+              head = "lm_head" (the map's logits MatMul); `Units` reads and checks the record
     Precision(scheme, {unit: scheme | None}, alone=False)
               every NPU node at `scheme` except the named units; None: the unit stays float.
               alone=True: only the named units are quantised (per-unit sensitivity).
@@ -13,35 +15,76 @@ Raising a unit is only to a scheme MediaTek's converter takes per output channel
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import onnx
-
 from mtkc.errors import InputError
+from mtkc.ir.outdir import MANIFEST
 
 SCHEMES = {"A16W16": (16, 16), "A16W8": (16, 8), "A16W4": (16, 4), "A8W8": (8, 8), "A8W4": (8, 4)}
-LAYER = re.compile(r"layers[./](\d+)[./]")
 LM_HEAD = "lm_head"
 RAISE = ("A16W8", "A16W16")  # what a unit may be raised to, in order
 PLAN_FILE = "quant-plan.json"
+MAX_LAYERS = 1 << 16
 
 
-def layer_of(node: onnx.NodeProto) -> int | None:
-    """"Layer i" of a node (the one numbering `--keep-fp`, plans and sensitivity use)."""
-    m = LAYER.search(node.name)
-    return int(m[1]) if m else None
+class Units:
+    """The quantisation units an OUT's manifest records per graph (`graphs[].decoder`), checked as the
+    untrusted content it is: indices unique ints in range, every node named once and in one of the
+    graph's partitions. A graph without the record (an older compile) is an InputError: recompile
+    (falling back to node names would number another export's layers wrongly, or none, silently)."""
 
+    def __init__(self, out: Path, manifest: dict):
+        self.nodes: dict[str, dict[str, object]] = {}  # graph -> node name -> unit
+        self.outputs: dict[str, dict[int, str]] = {}  # graph -> layer -> the tensor leaving it
+        for g, graph in enumerate(manifest["graphs"]):
+            where = f"{Path(out) / MANIFEST}: graphs[{g}].decoder"
+            entry = graph.get("decoder")
+            if entry is None:
+                raise InputError(f"{where}: missing (compiled by an mtkc without decoder layer records): "
+                                 "compile the model again")
+            nodes, outputs = self._read(entry, graph, where)
+            self.nodes[graph["name"]], self.outputs[graph["name"]] = nodes, outputs
 
-def unit_of(node: onnx.NodeProto, logits: str = "logits"):
-    """The node's unit: its decoder layer (int), "lm_head" for the LM head's MatMul/Gemm, else None."""
-    layer = layer_of(node)
-    if layer is not None:
-        return layer
-    if node.op_type in ("MatMul", "Gemm") and ("lm_head" in node.name or logits in node.output):
-        return LM_HEAD
-    return None
+    @staticmethod
+    def _read(entry, graph: dict, where: str) -> tuple[dict, dict]:
+        def need(cond: bool, what: str) -> None:
+            if not cond:
+                raise InputError(f"{where}: {what}")
+
+        need(isinstance(entry, dict) and isinstance(entry.get("layers"), list), 'expected {"layers": [...], "lm_head"}')
+        known = set()
+        for part in graph["partitions"]:
+            names = part.get("nodes")
+            need(isinstance(names, list) and all(isinstance(n, str) for n in names),
+                 f"partition '{part['id']}' has no list of node names")
+            known.update(names)
+        nodes, outputs = {}, {}
+
+        def claim(name, unit) -> None:
+            need(isinstance(name, str) and name in known, f"unit {unit}: node {str(name)[:80]!r} is in none of the "
+                                                          "graph's partitions")
+            need(name not in nodes, f"node {name[:80]!r} is in units {nodes.get(name)} and {unit}")
+            nodes[name] = unit
+
+        for layer in entry["layers"]:
+            need(isinstance(layer, dict), "layers: expected objects")
+            index = layer.get("index")
+            need(type(index) is int and 0 <= index < MAX_LAYERS, f"layer index {str(index)[:40]!r}: expected 0..{MAX_LAYERS - 1}")
+            need(index not in outputs, f"layer {index} listed twice")
+            need(layer.get("output") is None or isinstance(layer["output"], str), f"layer {index}: output not a string")
+            need(isinstance(layer.get("nodes"), list), f"layer {index}: nodes not a list")
+            for name in layer["nodes"]:
+                claim(name, index)
+            outputs[index] = layer.get("output")
+        head = entry.get("lm_head")
+        if head is not None:
+            claim(head, LM_HEAD)
+        return nodes, {i: t for i, t in sorted(outputs.items()) if t is not None}
+
+    def of(self, graph: str, node: str):
+        """The unit of node `node` of graph `graph`: a layer index, LM_HEAD, or None."""
+        return self.nodes.get(graph, {}).get(node)
 
 
 def parse_units(text: str | None, what: str = "--keep-fp") -> list:
@@ -80,8 +123,8 @@ class Precision:
     units: dict = field(default_factory=dict)
     alone: bool = False  # only the named units are quantised
 
-    def of(self, node: onnx.NodeProto):
-        unit = unit_of(node)
+    def of(self, unit):
+        """The scheme of a node of `unit` (None: float)."""
         if unit in self.units:
             return self.units[unit]
         return None if self.alone else self.scheme

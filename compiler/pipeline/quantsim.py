@@ -34,7 +34,7 @@ from mtkc.errors import InputError
 from mtkc.pipeline import quantsmooth
 from mtkc.pipeline.calibrate import npu_partitions
 from mtkc.pipeline.quantmetrics import Agreement, forced, nll, real_rows, rows_of, windows
-from mtkc.pipeline.quantplan import LM_HEAD, SCHEMES, Precision, layer_of, parse_units, unit_of
+from mtkc.pipeline.quantplan import LM_HEAD, SCHEMES, Precision, Units, parse_units
 from mtkc.pipeline.quantstream import Store, absolute, grid_scales, ranges, stubbed, with_codes
 from mtkc.pipeline.verify import load_manifest
 from mtkc.runtime.generate import Generator
@@ -58,16 +58,6 @@ def channel_axis(node: onnx.NodeProto, rank: int) -> int:
     return 0 if node.op_type == "Conv" else rank - 1
 
 
-def layer_outputs(graph: onnx.GraphProto) -> dict[int, str]:
-    """Each decoder layer's output: the first output of its last node (exporter node names `layers.<i>/`)."""
-    last: dict[int, str] = {}
-    for node in graph.node:
-        i = layer_of(node)
-        if i is not None and node.output:
-            last[i] = node.output[0]
-    return dict(sorted(last.items()))
-
-
 def per_channel_weights(graph: onnx.GraphProto) -> dict[str, int]:
     """Float constants used only as a MatMul/Gemm/Conv weight, on one channel axis: name -> axis."""
     floats = {t.name: t for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
@@ -79,10 +69,10 @@ def per_channel_weights(graph: onnx.GraphProto) -> dict[str, int]:
     return {name: next(iter(a)) for name, a in axes.items() if len(a) == 1 and None not in a}
 
 
-def overrides(graph: onnx.GraphProto, precision: Precision, absmax) -> dict[str, list[dict]]:
+def overrides(graph: onnx.GraphProto, precision: Precision, absmax, unit) -> dict[str, list[dict]]:
     """onnxruntime `TensorQuantOverrides`: every float constant's precision and axis (from the scheme
     of the node using it; weights per output channel on MediaTek's grid from `absmax(tensor, axis)`),
-    and the activations of raised units at their scheme's bits."""
+    and the activations of raised units at their scheme's bits. `unit(node)`: the node's unit."""
     from onnxruntime.quantization import QuantType
 
     signed = {16: QuantType.QInt16, 8: QuantType.QInt8, 4: QuantType.QInt4}
@@ -90,7 +80,7 @@ def overrides(graph: onnx.GraphProto, precision: Precision, absmax) -> dict[str,
     floats = {t.name: t for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
     result: dict[str, list[dict]] = {}
     for node in graph.node:
-        scheme = precision.of(node)
+        scheme = precision.of(unit(node))
         if scheme is None:
             continue
         a_bits, w_bits = SCHEMES[scheme]
@@ -108,11 +98,11 @@ def overrides(graph: onnx.GraphProto, precision: Precision, absmax) -> dict[str,
         for name in node.input:
             users.setdefault(name, []).append(node)
     for node in graph.node:
-        scheme = precision.of(node)
+        scheme = precision.of(unit(node))
         if scheme is None or SCHEMES[scheme][0] == base_a:
             continue
         for name in node.output:
-            if name and users.get(name) and all(precision.of(u) == scheme for u in users[name]):
+            if name and users.get(name) and all(precision.of(unit(u)) == scheme for u in users[name]):
                 a_bits = SCHEMES[scheme][0]
                 result[name] = [{"quant_type": QuantType.QInt16, "symmetric": True} if a_bits == 16
                                 else {"quant_type": QuantType.QUInt8, "symmetric": False}]
@@ -185,16 +175,17 @@ def partition_files(out: Path, manifest: dict, graph: dict, part: dict, samples:
 
 
 def quantize_partition(store: Store, float_proto: onnx.ModelProto, ranges_path: Path, reader: SampleReader,
-                       precision: Precision, folder: Path, stem: str) -> onnx.ModelProto:
+                       precision: Precision, folder: Path, stem: str, unit) -> onnx.ModelProto:
     """The partition quantised at `precision` (`quantstream`: onnxruntime's QDQ on the stubbed graph,
-    its calibration ranges from `ranges_path`, then the weights' codes), held in memory."""
+    its calibration ranges from `ranges_path`, then the weights' codes), held in memory. `unit(node)`:
+    the node's unit."""
     import logging
 
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     weights = per_channel_weights(float_proto.graph)
-    tensor_overrides = overrides(float_proto.graph, precision, store.absmax)
-    excluded = [n.name for n in float_proto.graph.node if n.name and precision.of(n) is None]
+    tensor_overrides = overrides(float_proto.graph, precision, store.absmax, unit)
+    excluded = [n.name for n in float_proto.graph.node if n.name and precision.of(unit(n)) is None]
     source, target = folder / f"{stem}.stubbed.onnx", folder / f"{stem}.q.onnx"
     onnx.save(stubbed(float_proto, weights, store), str(source))
     a_bits, w_bits = SCHEMES[precision.scheme]
@@ -281,11 +272,14 @@ class Simulation:
         self.out, self.workdir, self.samples, self.smooth = Path(out), Path(workdir), calibration_samples, smooth
         self.manifest = load_manifest(self.out)
         self.compiled_mask = contract_mask.value_of(self.manifest.get("options"))
-        self.probes: dict[tuple[str, str], dict[int, str]] = {}  # (graph, partition) -> layer -> tensor
+        self.record = Units(self.out, self.manifest)  # each node's unit, as compile found them by structure
+        self.probes: dict[tuple[str, str], dict[int, str]] = {}  # (graph, partition) -> layer -> tensor leaving it
         for graph in self.manifest.get("graphs", []):
+            leaving = self.record.outputs[graph["name"]]
             for part in graph["partitions"]:
-                path = self.out / part["path"]
-                self.probes[graph["name"], part["id"]] = layer_outputs(onnx.load(str(path), load_external_data=False).graph)
+                made = {t for n in onnx.load(str(self.out / part["path"]), load_external_data=False).graph.node
+                        for t in n.output}
+                self.probes[graph["name"], part["id"]] = {i: t for i, t in leaving.items() if t in made}
         self.by_graph: dict[str, dict[int, str]] = {}
         for (g, _), found in self.probes.items():
             self.by_graph.setdefault(g, {}).update(found)
@@ -348,8 +342,9 @@ class Simulation:
             for g, p in npu_partitions(self.manifest):
                 float_proto, cache = self.float_copy(g, p, folder, mask)
                 files = partition_files(self.out, self.manifest, g, p, self.samples)
-                protos[g["name"], p["id"]] = quantize_partition(self.store, float_proto, cache, SampleReader(files, p["inputs"], mask),
-                                                                precision, folder, f"{g['name']}.{p['id']}")
+                protos[g["name"], p["id"]] = quantize_partition(
+                    self.store, float_proto, cache, SampleReader(files, p["inputs"], mask), precision, folder,
+                    f"{g['name']}.{p['id']}", lambda node, graph=g["name"]: self.record.of(graph, node.name))
 
             def make(graph, part):
                 if part["target"] != "npu":
@@ -434,9 +429,9 @@ class Simulation:
     def units(self) -> list:
         """Every quantisable unit of the NPU partitions: decoder layers, then the LM head."""
         found = set()
-        for _, part in npu_partitions(self.manifest):
-            graph = onnx.load(str(self.out / part["path"]), load_external_data=False).graph
-            found |= {unit_of(n) for n in graph.node} - {None}
+        for graph, part in npu_partitions(self.manifest):
+            proto = onnx.load(str(self.out / part["path"]), load_external_data=False).graph
+            found |= {self.record.of(graph["name"], n.name) for n in proto.node} - {None}
         return ordered(found)
 
     def sensitivity(self, scheme: str, prompts: list[list[int]], mask_value: float) -> list[dict]:
@@ -506,8 +501,13 @@ def simulate(out: str | Path, scheme: str, prompts: list[list[int]], new_tokens:
 def run_simulation(sim: Simulation, scheme: str, prompts, new_tokens, keep, raised_units, min_cosine,
                    eval_ids=None, sensitivity=None) -> QuantResult:
     result = QuantResult(scheme, min_cosine, keep, raised_units, smooth=sim.smooth)
+    present = sim.units()
+    absent = [u for u in raised_units if u not in present]
+    if absent:
+        have = ", ".join(map(str, present)) or "none"
+        raise InputError(f"unit '{absent[0]}' (--keep-fp / --plan) is in no NPU partition of {sim.out} (its units: {have})")
     if not any(sim.probes.values()):
-        result.notes.append("no decoder layer found by node name (layers.<i>/): no per-layer cosine")
+        result.notes.append("the manifest records no decoder layer output: no per-layer cosine")
     mask_value, note = sim.proven_mask(scheme, prompts, new_tokens)
     result.mask_value = mask_value
     if note:

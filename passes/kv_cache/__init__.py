@@ -18,7 +18,7 @@ computes its shapes with Shape ops, so an inserted past concat propagates), `kv-
 
 from mtkc.analysis.cache import KINDS, LayerCache, cache_concat, cache_head_dims, find_caches, layer_caches
 from mtkc.passes.kv_cache.cache_pass import KvCache
-from mtkc.passes.kv_cache.chunks import LayerChunks, layer_boundaries
+from mtkc.passes.kv_cache.chunks import LayerChunks
 from mtkc.passes.kv_cache.insert import insert_cache
 from mtkc.passes.kv_cache.mask_early import NEW_TOKEN_MASK, MaskEarly
 from mtkc.passes.kv_cache.io import KvCacheIo, contract_order
@@ -26,4 +26,4 @@ from mtkc.passes.kv_cache.plan import CACHE_IO, DEFAULT_CACHE_LEN, DEFAULT_SEQ_L
 
 __all__ = ["CACHE_IO", "DEFAULT_CACHE_LEN", "DEFAULT_SEQ_LEN", "KINDS", "NEW_TOKEN_MASK", "KvCache", "KvCacheIo",
            "LayerCache", "LayerChunks", "MaskEarly", "Variant", "cache_concat", "cache_head_dims", "chunk_ranges", "contract_order",
-           "find_caches", "insert_cache", "layer_boundaries", "layer_caches", "variants"]
+           "find_caches", "insert_cache", "layer_caches", "variants"]

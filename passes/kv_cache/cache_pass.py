@@ -52,7 +52,7 @@ class KvCache(Pass):
             if self.implicit is not None:
                 notes.append(f"no mask input: the mask built from shapes alone became input '{self.implicit.name}'")
             if not any(t.name == "position_ids" for t in graph.inputs):
-                position_input(graph, NodeNames(graph), probe_shapes(graph, ctx.root))
+                position_input(graph, NodeNames(graph), probe_shapes(graph, ctx.root)[0])
                 self.positions = any(t.name == "position_ids" for t in graph.inputs)
                 if self.positions:
                     notes.append("no position input: RoPE's positions, counted from the past's length (fixed at "

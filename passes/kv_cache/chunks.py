@@ -2,21 +2,21 @@
 
 The residual stream tensor entering the chunk's first layer becomes input `hidden_states`, the
 one leaving its last layer output `hidden_states_out` (embedding stays in chunk 0, final norm +
-lm_head in chunk N-1). Layer boundaries are the dominators of the logits (paths from the token
-input, ignoring Shape edges) that dominate layer i's cache concat. Layer i is the DecoderMap's
-(`mtkc.analysis.decoder`), whose cache reads `past_<kind>_<i>`.
+lm_head in chunk N-1). Layer boundaries are `mtkc.analysis.regions`' (the residual stream on the
+logits' dominator chain above layer i's attention), the ones quantisation units are cut by. Layer i
+is the DecoderMap's (`mtkc.analysis.decoder`), whose cache reads `past_<kind>_<i>`.
 """
 
 from __future__ import annotations
 
-import networkx as nx
 import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.analysis.decoder import decoder_map
 from mtkc.errors import InputError
 from mtkc.ir.execute import run
-from mtkc.analysis.cache import KINDS, LayerCache, layer_caches
+from mtkc.analysis.cache import KINDS, layer_caches
+from mtkc.analysis.regions import layer_boundaries
 from mtkc.passes.kv_cache.io import contract_order
 from mtkc.passes.kv_cache.plan import chunk_ranges, kv_on
 from mtkc.rewrite.pass_api import Context, Pass, PassResult, register
@@ -33,12 +33,13 @@ class LayerChunks(Pass):
 
     def run(self, graph: gs.Graph, ctx: Context) -> PassResult:
         n, k = ctx.options.chunks or 1, ctx.options.chunk or 0
-        layers = layer_caches(graph, ctx.analysis(decoder_map, graph))
+        dm = ctx.analysis(decoder_map, graph)
+        layers = layer_caches(graph, dm)
         ranges = chunk_ranges(len(layers), n)
         if not 0 <= k < n:
             raise InputError(f"chunk {k} out of range for --chunks {n}")
         first, last = ranges[k].start, ranges[k].stop
-        bounds = layer_boundaries(graph, layers)
+        bounds = layer_boundaries(graph, dm)
         keep = {f"present_{kind}_{i}" for i in range(first, last) for kind in KINDS}
         outputs = [o for o in graph.outputs if o.name in keep]
         if last < len(layers):
@@ -87,45 +88,3 @@ def _hidden_shape(tensor: gs.Tensor, ctx: Context):
     if shape is None or len(shape) != 3:
         return shape
     return [1, ctx.options.seq_len or shape[1], shape[2]]
-
-
-def layer_boundaries(graph: gs.Graph, layers: list[LayerCache]) -> dict[int, gs.Variable]:
-    """Residual-stream tensor entering layer i, for every layer i (from the dominator tree)."""
-    sources = [x for x in graph.inputs if x.name in ("input_ids", "hidden_states")]
-    logits = next((o for o in graph.outputs if o.name == "logits"), None)
-    if not sources or logits is None or not logits.inputs:
-        raise InputError("layer chunks need a token input (input_ids or hidden_states) and a logits output")
-    dag = nx.DiGraph()
-    src, sink = "<src>", "<sink>"
-    for node in graph.nodes:
-        for out in node.outputs:
-            for user in out.outputs:
-                if user.op not in ("Shape", "Size"):
-                    dag.add_edge(id(node), id(user))
-    for node in sources[0].outputs:
-        dag.add_edge(src, id(node))
-    dag.add_edge(id(logits.inputs[0]), sink)
-    idom = nx.immediate_dominators(dag, src)
-    if sink not in idom:
-        raise InputError("logits are not computed from the token input")
-    chain, x = [], sink
-    while x != src:
-        x = idom[x]
-        chain.append(x)
-    on_chain = set(chain)
-    by_id = {id(node): node for node in graph.nodes}
-    bounds = {}
-    for layer in layers:
-        x = id(layer.concat["key"])
-        if x not in idom:
-            raise InputError(f"layer {layer.index}: its cache concat does not depend on the token input")
-        while x not in on_chain:
-            x = idom[x]
-        if x == src:
-            bounds[layer.index] = sources[0]
-            continue
-        node = by_id[x]
-        if len(node.outputs) != 1:
-            raise InputError(f"layer {layer.index}: boundary node '{node.name}' has {len(node.outputs)} outputs")
-        bounds[layer.index] = node.outputs[0]
-    return bounds

@@ -17,7 +17,7 @@ from mtkc.errors import InputError
 from mtkc.ir import shapes
 from mtkc.ir.constants import values as values_of
 from mtkc.ir.graph_utils import Names as NodeNames
-from mtkc.analysis.cache import KINDS, PROBE_SEQ, LayerCache, probe_shapes
+from mtkc.analysis.cache import KINDS, LayerCache, probe_shapes
 
 _LAYOUT = {"Transpose", "Reshape", "Expand", "Unsqueeze", "Squeeze", "Identity", "Cast", "Tile"}
 
@@ -51,7 +51,9 @@ def insert_cache(graph: gs.Graph, dm: DecoderMap, root=None) -> list[LayerCache]
     shapes.infer(graph, root)
     anchors = [(x.nodes[x.scores], x.nodes[x.pv]) for x in dm.layers]  # the attention MatMuls Q·Kᵀ, P·V
     sites = [(_kv_entry(qk.inputs[1]), _kv_entry(pv.inputs[1])) for qk, pv in anchors]
-    probe = probe_shapes(graph, root)
+    probe, length = probe_shapes(graph, root)
+    twice = any((probe.get(n.outputs[0].name) or []).count(length) > 1 for n in graph.nodes if n.op in ("Reshape", "Expand"))
+    other = probe_shapes(graph, root, start=length + 1)[0] if twice else {}  # a dim inferred equal to `length`
     names = NodeNames(graph)
     layers = []
     for i, entries in enumerate(sites):
@@ -76,15 +78,18 @@ def insert_cache(graph: gs.Graph, dm: DecoderMap, root=None) -> list[LayerCache]
                             node.inputs[j] = full
             graph.nodes.append(concat)
             graph.inputs.append(past)
-            _free_kv_length(full, probe, names)
+            _free_kv_length(full, (probe, length), other, names)
             layer.past[kind], layer.concat[kind] = past, concat
         layers.append(layer)
     position_input(graph, names, probe)
     return layers
 
 
-def _free_kv_length(full: gs.Variable, probe: dict[str, list], names: NodeNames) -> None:
-    """Make every Reshape/Expand from the cache concat to the attention MatMul length-agnostic."""
+def _free_kv_length(full: gs.Variable, probed: tuple[dict[str, list], int], other: dict[str, list],
+                    names: NodeNames) -> None:
+    """Make every Reshape/Expand from the cache concat to the attention MatMul length-agnostic
+    (`probed`: the shapes at a sequence length; `other`: at another, when a dim may equal the first)."""
+    probe, length = probed
     frontier = list(full.outputs)
     while frontier:
         node = frontier.pop()
@@ -92,9 +97,11 @@ def _free_kv_length(full: gs.Variable, probe: dict[str, list], names: NodeNames)
             continue
         out = probe.get(node.outputs[0].name)
         if node.op in ("Reshape", "Expand") and out is not None and all(isinstance(d, int) for d in out):
-            if out.count(PROBE_SEQ) != 1:
+            second = other.get(node.outputs[0].name) or out
+            axes = [a for a, d in enumerate(out) if d == length and (second is out or second[a] != d)]
+            if len(axes) != 1:
                 raise InputError(f"{node.name}: cannot tell the sequence axis of its output shape {out}")
-            dims = [(-1 if node.op == "Reshape" else 1) if d == PROBE_SEQ else d for d in out]
+            dims = [(-1 if node.op == "Reshape" else 1) if a in axes else d for a, d in enumerate(out)]
             node.inputs[1] = gs.Constant(names.new(f"{node.name}/kv_shape"), np.array(dims, np.int64))
             node.attrs.pop("allowzero", None)
         frontier += node.outputs[0].outputs

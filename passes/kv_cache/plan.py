@@ -50,7 +50,7 @@ def variants(graph: gs.Graph, options: dict, dm: DecoderMap | None = None) -> li
     is no layer; a layer whose k/v path reads a past input has a cache. `dm`: the graph's map, when known."""
     kv, dm = options.kv_cache, dm or decoder_map(graph)
     if kv is not False:  # --no-kv-cache: the cache inputs stay inputs, as asked
-        _refuse_unrecognised_cache(graph, dm)
+        _refuse_unrecognised_cache(dm)
     if kv is None:
         kv = dm.cached
     if not kv:
@@ -76,14 +76,15 @@ def variants(graph: gs.Graph, options: dict, dm: DecoderMap | None = None) -> li
     return out
 
 
-def _refuse_unrecognised_cache(graph: gs.Graph, dm) -> None:
+def _refuse_unrecognised_cache(dm: DecoderMap) -> None:
     """An attention that reads a cache input but is no layer the DecoderMap recognises would leave
-    that cache as a plain input of one static graph: refused, naming the attention and why."""
+    that cache as a plain input of one static graph: refused, naming the attention and why. (Before
+    the cache is looked for: a cache inside a fused op has no Concat for `find_caches` to refuse, and
+    without a recognised cache the plan is one `model` graph and `kv-cache` never runs.)"""
     refused = next((x for x in dm.refused if x.past), None)
     if refused is None:
         return
-    anchors = [n.name for n in graph.nodes if n.name in {x.anchor for x in dm.layers + dm.refused}]
-    raise InputError(f"layer {anchors.index(refused.anchor)} (attention '{escape(refused.anchor)}') reads cache input "
+    raise InputError(f"layer {refused.index} (attention '{escape(refused.anchor)}') reads cache input "
                      f"'{escape(next(iter(refused.past.values())))}' but is not a decoder layer mtkc recognises: "
                      f"{escape(refused.refused)}")
 
