@@ -21,6 +21,7 @@ from mtkc.pipeline.calibrate import Running, calibrate, plan, sample_bytes, stor
 from mtkc.pipeline.compile import compile_model
 from mtkc.runtime.graphs import load_session
 from mtkc.runtime.prompts import Prompt
+from mtkc.runtime.sessions import Sessions
 
 T, C, DECODE = 8, 64, 3
 PROMPTS = [[(7 * k + 3 * j) % 997 + 3 for j in range(n)] for k, n in enumerate((2, 5, 8, 9, 13, 16, 17, 20, 3, 11))]
@@ -59,6 +60,20 @@ def test_samples_feed_each_npu_partition_with_finite_outputs(out):
             assert {k: v.dtype.name for k, v in feed.items()} == {i["name"]: i["dtype"] for i in part["inputs"]}
             for value in session.run(names, feed):
                 assert np.isfinite(value).all(), f.name
+
+
+def test_resident_weights_run_as_the_mapped_ones(out):
+    """calibrate's sessions hold one private copy of weights.bin (no file mapping to be evicted under
+    pressure), and a partition gives the mapped sessions' outputs bit for bit."""
+    graph, part = _npu(out)[0]
+    feed = read_sample(sorted((out / "calibration" / f"{graph['name']}.{part['id']}").glob("*.npz"))[0], part["inputs"])
+    results = {}
+    for resident in (False, True):
+        sessions = Sessions(out, resident=resident)
+        session = sessions.get(out / part["path"])
+        results[resident] = session.run([o.name for o in session.get_outputs()], feed)
+        assert {type(m) is np.memmap for m in sessions._maps.values()} == {not resident}
+    assert all(np.array_equal(a, b) for a, b in zip(results[False], results[True]))
 
 
 def test_decode_samples_carry_a_filling_cache(out):

@@ -11,7 +11,7 @@ and the manifest entry say so (`float32_as`). Every call, stored or not, feeds `
 partition, per input tensor: min, max, absmax, percentiles from a log-binned histogram: memory
 bounded whatever the prompt count). Also written: `index.json` (per sample: prompt, graph, step,
 file), then the manifest's `calibration` entry. The partition sessions are opened once, over one
-mapping of the weights, and the whole-graph sessions dropped before the first prompt. The folder is
+copy of the weights (read once: `Sessions(resident=True)`), and the whole-graph sessions dropped before the first prompt. The folder is
 written through `mtkc.backend.staging` (complete or the previous one intact); the disk it needs is
 computed from the manifest's shapes before anything runs, and `max_bytes` also bounds what is
 actually written. Deterministic: same OUT and prompts give the same bytes (fixed zip timestamps).
@@ -140,10 +140,10 @@ def calibrate(out: str | Path, prompts: list[Prompt], decode_steps: int = 8, max
 
 def reopen_as_partitions(generator: Generator) -> None:
     """Release the whole-graph sessions and their weight mappings; `generator.sessions` becomes a
-    fresh `Sessions` for the partitions (one read-only mapping of the weights for all of them)."""
+    fresh `Sessions` for the partitions (one private copy of the weights for all of them, read once)."""
     for stage in generator.prefill + generator.decode:
         stage.session = None
-    generator.sessions = Sessions(generator.root)
+    generator.sessions = Sessions(generator.root, resident=True)
 
 
 def _announce(manifest: dict, prompts: list[Prompt], expected: Plan, decode_steps: int, decode_samples: int | None) -> None:

@@ -287,7 +287,7 @@ class Simulation:
         self.store = Store(self.out, self.workdir)  # one mapping of every weights file, for every session here
         self.float_sessions = partition_sessions(self.out, self.manifest, self._capture, self._floating)
         self._floats: dict[tuple, tuple[onnx.ModelProto, Path]] = {}
-        self._quant: dict[str, dict] = {}
+        self._quant: dict[str, dict] = {}  # {precision@mask: {partition path: session}}: the last one
 
     def _capture(self, graph, part, inputs, values):
         self.captured.setdefault(graph["name"], {}).update(values)
@@ -330,29 +330,32 @@ class Simulation:
             self._floats[key] = (proto, cache)
         return self._floats[key]
 
-    def quant_sessions(self, precision: Precision, mask_value: float) -> dict:
-        """Partition sessions with every NPU partition quantised at `precision` (the last one kept)."""
+    def quant_sessions(self, precision: Precision, mask_value: float, graphs: set[str] | None = None) -> dict:
+        """Partition sessions of `graphs` (default: every graph) with their NPU partitions quantised at
+        `precision`; the last precision's are kept, a graph's made at its first request (a 1-token
+        comparison runs only the prefill graphs: the decode partitions are not quantised for it)."""
         key = f"{precision.key()}@{mask_value:g}"
         if key not in self._quant:
-            self._quant.clear()
-            folder = self.workdir / f"mask{mask_value:g}-smooth{self.smooth}"  # float copies and ranges for these
-            folder.mkdir(exist_ok=True)
-            mask = (self.compiled_mask, mask_value)
-            protos = {}
-            for g, p in npu_partitions(self.manifest):
-                float_proto, cache = self.float_copy(g, p, folder, mask)
-                files = partition_files(self.out, self.manifest, g, p, self.samples)
-                protos[g["name"], p["id"]] = quantize_partition(
-                    self.store, float_proto, cache, SampleReader(files, p["inputs"], mask), precision, folder,
-                    f"{g['name']}.{p['id']}", lambda node, graph=g["name"]: self.record.of(graph, node.name))
+            self._quant = {key: {}}
+        sessions = self._quant[key]
+        folder = self.workdir / f"mask{mask_value:g}-smooth{self.smooth}"  # float copies and ranges for these
+        folder.mkdir(exist_ok=True)
+        mask = (self.compiled_mask, mask_value)
 
-            def make(graph, part):
-                if part["target"] != "npu":
-                    return self._floating(graph, part)
-                return self._session(graph, part, protos[graph["name"], part["id"]], self.workdir, precision.scheme)
+        def make(graph, part):
+            if part["target"] != "npu":
+                return self._floating(graph, part)
+            float_proto, cache = self.float_copy(graph, part, folder, mask)
+            files = partition_files(self.out, self.manifest, graph, part, self.samples)
+            proto = quantize_partition(self.store, float_proto, cache, SampleReader(files, part["inputs"], mask),
+                                       precision, folder, f"{graph['name']}.{part['id']}",
+                                       lambda node, name=graph["name"]: self.record.of(name, node.name))
+            return self._session(graph, part, proto, self.workdir, precision.scheme)
 
-            self._quant[key] = partition_sessions(self.out, self.manifest, self._capture, make)
-        return self._quant[key]
+        wanted = [g for g in self.manifest.get("graphs", []) if (graphs is None or g["name"] in graphs)
+                  and any(self.out / p["path"] not in sessions for p in g["partitions"])]
+        sessions.update(partition_sessions(self.out, {"graphs": wanted}, self._capture, make))
+        return sessions
 
     def generator(self, sessions: dict, mask_value: float | None = None) -> Generator:
         gen = Generator(self.out, mask_value=mask_value, sessions=self.store.sessions)
@@ -364,7 +367,9 @@ class Simulation:
         """Teacher-forced figures per graph output and layer (the quantised graphs fed the float run's
         inputs, real rows only); with `full`, also the quantised pipeline on its own cache (logits over
         the float tokens) and free-running (its greedy tokens against float's)."""
-        quant_sessions = self.quant_sessions(precision, mask_value)
+        reference = Generator(self.out, sessions=self.store.sessions)
+        runs = None if full or new_tokens > 1 else {stage.name for stage in reference.prefill}  # 1 token: prefill only
+        quant_sessions = self.quant_sessions(precision, mask_value, runs)
         stats: dict[tuple[str, str], Agreement] = {}
         layer_stats: dict[tuple[str, int], Agreement] = {}
         sim, graphs = self, {g["name"]: g for g in self.manifest["graphs"]}
@@ -392,7 +397,6 @@ class Simulation:
                             pick(quant_probe[tensor]), pick(ref_probe[tensor]))
                 return [ref[n] for n in names]
 
-        reference = Generator(self.out, sessions=self.store.sessions)
         for stage in reference.prefill + reference.decode:
             stage.session = Compare(self.out, graphs[stage.name], {})
         quantised = self.generator(quant_sessions, mask_value) if full else None

@@ -8,7 +8,9 @@ Here each external initializer is handed to onnxruntime as a view of one read-on
 per file (used in place, not copied), and prepacking is off (decode measured no slower; prefill
 ~30 % slower, a reference runtime's fair price for half the memory). Models mtkc builds in memory
 from those graphs (probes, quantised copies: `model`) use the same mappings, and files under the
-extra `roots` (a work folder's weights) are mapped the same way.
+extra `roots` (a work folder's weights) are mapped the same way. `resident`: each file is read once
+into private memory instead (same RSS; pages the kernel cannot evict and fault back in one by one
+inside the runs when other jobs press on the page cache: a long run's choice, `mtkc calibrate`).
 """
 
 from __future__ import annotations
@@ -31,15 +33,17 @@ class Sessions:
     """Sessions by path (each opened once), external weights under `root` mapped once for all."""
 
     def __init__(self, root: str | Path, optimize: bool = True, seconds: tuple[float, float] | None = None,
-                 roots: tuple[Path, ...] = (), scratch: Path | None = None, arena: bool = True):
+                 roots: tuple[Path, ...] = (), scratch: Path | None = None, arena: bool = True,
+                 resident: bool = False):
         self.root = Path(root).resolve()
         self.roots = {self.root, *(Path(r).resolve() for r in roots)}  # folders whose files are mapped
         self.scratch = Path(scratch) if scratch is not None else None  # where `model` may put its stand-in file
         self.arena = arena  # onnxruntime's CPU arena keeps each session's peak; without it freed tensors go back
         self.optimize = optimize
+        self.resident = resident  # weights files read into private memory, not mapped
         self.seconds = seconds or (None, None)  # deadlines to load, to run (default: `mtkc.ir.execute`'s)
         self._sessions: dict[Path, Bounded] = {}
-        self._maps: dict[Path, np.memmap] = {}
+        self._maps: dict[Path, np.ndarray] = {}  # a file's bytes: np.memmap, or a private copy (resident)
         self._values: list[ort.OrtValue] = []  # must outlive the sessions that use them
 
     def get(self, path: str | Path) -> Bounded:
@@ -117,8 +121,13 @@ class Sessions:
         if dtype.kind not in "fiub" or math.prod(tensor.dims) * dtype.itemsize != length:
             return None
         if file not in self._maps:
-            self._maps[file] = np.memmap(file, mode="r")
+            self._maps[file] = _read_only(np.fromfile(file, np.uint8)) if self.resident else np.memmap(file, mode="r")
         mapped = self._maps[file]
         if offset + length > mapped.size:
             return None  # onnxruntime reports the truncated file
         return np.ndarray(tuple(tensor.dims), dtype, buffer=mapped, offset=offset)
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
