@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--decode-samples", type=int, default=1)
     p.add_argument("--cache", type=Path, default=HERE / "cache", help="exports (shared: bench.py --cache)")
-    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--size", default="0.5b", choices=["0.5b", "1.5b"], help="model dimensions (examples/factory.py)")
+    p.add_argument("--layers", type=int, default=None, help="default: the size's own (24 / 28)")
     p.add_argument("--calibration-samples", type=int, default=16, help="samples per partition the simulation calibrates on")
     p.add_argument("--eval-prompts", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=8)
@@ -103,9 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=HERE / "cache" / "quant")
     args = p.parse_args(argv)
     limit = args.limit_gb * 1024
-    model = ensure_export(args.cache, "0.5b", args.layers)
+    args.layers = args.layers or {"0.5b": 24, "1.5b": 28}[args.size]
+    model = ensure_export(args.cache, args.size, args.layers)
+    tag = f"L{args.layers}" if args.size == "0.5b" else f"{args.size}-L{args.layers}"
     args.work.mkdir(parents=True, exist_ok=True)
-    out = args.work / f"out-L{args.layers}"
+    out = args.work / f"out-{tag}"
     mtkc = [sys.executable, "-m", "mtkc"]
 
     def timed(cmd: list[str], **kwargs) -> dict:
@@ -113,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             return measure(cmd, limit, **kwargs)
 
     steps = set(args.steps.split(","))
-    path = HERE / f"quant_results-L{args.layers}.json"
+    path = HERE / f"quant_results-{tag}.json"
     settings = {"calibration_samples": args.calibration_samples, "eval_prompts": args.eval_prompts,
                 "new_tokens": args.new_tokens, "prompts": args.prompts, "decode_steps": args.decode_steps,
                 "decode_samples": args.decode_samples, "machine": machine()}
@@ -122,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         """Merge this run's steps (each with the settings it ran with) into the results file."""
         report = json.loads(path.read_text()) if path.exists() else {}
-        report.update(note="random weights (factory seed 0), not trained Qwen2.5 weights", layers=args.layers)
+        report.update(note="random weights (factory seed 0), not trained Qwen2.5 weights", layers=args.layers, size=args.size)
         for key, value in rows.items():
             if key == "verify":
                 report.setdefault("rows", {}).setdefault("verify", {}).update(
