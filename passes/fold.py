@@ -57,7 +57,8 @@ class Fold(Pass):
                 break
             result.rewrites += n
             gu.cleanup(graph)
-            shapes.infer(graph, ctx.root)
+            if not shapes.settled(graph):  # folding keeps shapes; an inlined If branch brings new tensors
+                shapes.infer(graph, ctx.root)
         return result
 
 

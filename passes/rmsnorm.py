@@ -95,13 +95,15 @@ def emit_norm(op: Emit, ctx: Context, x: gs.Tensor, gamma: gs.Tensor, eps: float
             gamma = op.const("gamma", values(const, ctx.read_values).reshape(-1))
         return op.SimplifiedLayerNormalization(x, gamma, axis=-1, epsilon=float(eps), stash_type=1,
                                                _dtype=dtype, _shape=shape)
+    reduced = [*shape[:-1], 1] if shape else None  # [..., 1]: keepdims over the last axis
     sq = op.Mul(x, x, _dtype=dtype, _shape=shape)
     if op.graph.opset >= 18:
-        mean = op.ReduceMean(sq, op.ints("axes", -1), keepdims=1, _dtype=dtype)
+        mean = op.ReduceMean(sq, op.ints("axes", -1), keepdims=1, _dtype=dtype, _shape=reduced)
     else:
-        mean = op.ReduceMean(sq, axes=[-1], keepdims=1, _dtype=dtype)
-    rms = op.Sqrt(op.Add(mean, op.scalar("eps", eps, x), _dtype=dtype), _dtype=dtype)
-    inv = op.Reciprocal(rms, _dtype=dtype) if _reciprocal(ctx) else op.Div(op.scalar("one", 1.0, x), rms, _dtype=dtype)
+        mean = op.ReduceMean(sq, axes=[-1], keepdims=1, _dtype=dtype, _shape=reduced)
+    rms = op.Sqrt(op.Add(mean, op.scalar("eps", eps, x), _dtype=dtype, _shape=reduced), _dtype=dtype, _shape=reduced)
+    inv = (op.Reciprocal(rms, _dtype=dtype, _shape=reduced) if _reciprocal(ctx)
+           else op.Div(op.scalar("one", 1.0, x), rms, _dtype=dtype, _shape=reduced))
     return op.Mul(op.Mul(x, inv, _dtype=dtype, _shape=shape), gamma, _dtype=dtype, _shape=shape)
 
 

@@ -195,7 +195,7 @@ def _slice(op: Emit, io, kind, full, width, seq, shape):
     io.tables[kind] = full
     k = 0 if kind == "cos" else 1
     sliced = op.Slice(pos_emb, op.ints("starts", k, 0), op.ints("ends", k + 1, width), op.ints("axes", 1, 3),
-                      _dtype=np.float32)
+                      _dtype=np.float32, _shape=[1, 1, seq, width])
     shape = list(shape) if shape is not None else None
     if shape == [1, 1, seq, width]:
         return sliced

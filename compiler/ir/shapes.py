@@ -171,6 +171,11 @@ def _symbolic_infer(proto: onnx.ModelProto) -> onnx.ModelProto:
     return sym.out_mp_
 
 
+def settled(graph: gs.Graph) -> bool:
+    """Every node output has a dtype and a static shape: `infer` would add nothing to them."""
+    return all(t.dtype is not None and _static(t) for node in graph.nodes for t in node.outputs)
+
+
 def _static(t: gs.Tensor) -> bool:
     return isinstance(t, gs.Constant) or (t.shape is not None and all(isinstance(d, int) for d in t.shape))
 
