@@ -28,8 +28,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SIZES = {"0.5b": {"heads": 14, "hidden": 896, "layers": 24}, "1.5b": {"heads": 12, "hidden": 1536, "layers": 28}}
-COPY, GRAPH, CHECK, COMPILE, SLIM, ORT = (
-    "weight copy (I/O floor)", "onnx load+save graph", "mtkc check", "mtkc compile", "onnxslim", "ort optimizer")
+COPY, GRAPH, START, CHECK, COMPILE, SLIM, ORT = (
+    "weight copy (I/O floor)", "onnx load+save graph", "mtkc start+load (check's floor)", "mtkc check", "mtkc compile",
+    "onnxslim", "ort optimizer")
 VERIFY, GENERATE = "mtkc verify", "mtkc generate"
 GENERATE_TOKENS = 32  # new tokens after a 64-token prompt: 1 prefill chunk, then decode steps
 TARGETS = {  # (tool, what, limit) -- issue 21's targets, checked per size (skipped when a figure is missing)
@@ -179,6 +180,8 @@ for src in sys.argv[2:]:
     os.close(fd)
 """
 _GRAPH = "import onnx, sys; onnx.save(onnx.load(sys.argv[1], load_external_data=False), sys.argv[2])"
+# what any `mtkc check` pays before its first pass: the interpreter, check's imports, the graph read and imported
+_START = "import sys; import mtkc.pipeline.check; from mtkc.ir.model import load; load(sys.argv[1])"
 
 
 _COUNTS = """
@@ -235,6 +238,7 @@ def tools(model: Path, work: Path, size: str) -> dict[str, list[str]]:
     return {
         COPY: [py, "-c", _COPY, str(work / "copy")] + [str(p) for p in weight_files(model)],
         GRAPH: [py, "-c", _GRAPH, str(model), str(work / "graph.onnx")],
+        START: [py, "-c", _START, str(model)],
         CHECK: [py, "-m", "mtkc", "check", str(model), "--sdk", "8.0", "--seq-len", "128", "--cache-len", "512",
                 "--format", "json"],
         COMPILE: [py, "-m", "mtkc", "compile", str(model), "--sdk", "8.0", "--seq-len", "128", "--cache-len", "512",
@@ -267,7 +271,7 @@ def run_scaling(cache: Path, layer_counts: list[int], limit_mb: float) -> dict:
     """{layers: run_size's result}: the copy floor, check and compile at each layer count (0.5b dims)."""
     rows = {}
     for layers in layer_counts:
-        result = run_size(cache, "0.5b", set(tools(Path("m"), Path("w"), "0.5b")) - {COPY, CHECK, COMPILE} | {VERIFY},
+        result = run_size(cache, "0.5b", set(tools(Path("m"), Path("w"), "0.5b")) - {COPY, START, CHECK, COMPILE} | {VERIFY},
                           limit_mb, layers)
         result["targets"] = targets(result["tools"])
         rows[str(layers)] = result

@@ -12,6 +12,7 @@ import pytest
 
 from mtkc.errors import InputError
 from mtkc.ir import execute, shapes
+from mtkc.ir.counts import COUNTS
 from mtkc.ir import model as mtkc_model
 from mtkc.passes import bind_shapes, cleanup, fold, int32, legalize, opset17, rank4  # noqa: F401 (registers)
 from mtkc.rewrite.pass_api import Context
@@ -222,10 +223,37 @@ def test_fold_shape_chain_to_constant_reshape():
              gs.Node("Reshape", inputs=[x, shp], outputs=[y])]
     graph = _graph(nodes, [x], [y])
     shapes.infer(graph)
+    COUNTS.clear()
     result = fold.Fold().run(graph, Context(table=None))
     graph.cleanup()
     assert [n.op for n in graph.nodes] == ["Reshape"] and result.rewrites == 4
     assert list(graph.nodes[0].inputs[1].values) == [2, -1] and list(y.shape) == [2, 12]
+    assert COUNTS["sessions"] == 0  # shape operands: evaluated in numpy (mtkc.ir.shape_values)
+
+
+
+def test_fold_evaluates_shape_operands_in_numpy_and_the_rest_in_one_session():
+    """The shape chain folds without onnxruntime; the Range too long for `shape_values` (100 > 64
+    elements) and the Cast reading it run in one session, on the chain's value; same numbers as
+    onnxruntime on the unfolded graph."""
+    x = gs.Variable("x", np.float32, [1, 100])
+    s, d, r, f, y = (gs.Variable(n) for n in ("s", "d", "r", "f", "y"))
+    nodes = [gs.Node("Shape", inputs=[x], outputs=[s]),
+             gs.Node("Gather", attrs={"axis": 0}, inputs=[s, gs.Constant("i", np.array(1, np.int64))], outputs=[d]),
+             gs.Node("Range", inputs=[gs.Constant("zero", np.array(0, np.int64)), d,
+                                      gs.Constant("one", np.array(1, np.int64))], outputs=[r]),
+             gs.Node("Cast", attrs={"to": onnx.TensorProto.FLOAT}, inputs=[r], outputs=[f]),
+             gs.Node("Add", inputs=[x, f], outputs=[y])]
+    graph = _graph(nodes, [x], [y])
+    shapes.infer(graph)
+    feeds = {"x": np.random.default_rng(0).standard_normal((1, 100)).astype(np.float32)}
+    expected = execute.run(graph, feeds)["y"]
+    COUNTS.clear()
+    result = fold.Fold().run(graph, Context(table=None))
+    graph.cleanup()
+    assert [n.op for n in graph.nodes] == ["Add"] and result.rewrites == 4
+    assert COUNTS["sessions"] == 1  # Range + Cast; Shape folds by shape, Gather in numpy
+    np.testing.assert_array_equal(execute.run(graph, feeds)["y"], expected)
 
 
 # --- cleanup ----------------------------------------------------------------------------------

@@ -171,8 +171,11 @@ def check(model_path, sdk: str, options: Options | dict[str, Any] | None = None,
     fixed: dict[str, str] = {}
 
     def track(p: Pass, graph: gs.Graph) -> None:
+        pending = watch.difference(fixed)
+        if not pending:  # every unsupported node of the input is fixed already
+            return
         nodes = {n.name: n for n in graph.nodes}
-        for name in sorted(watch - set(fixed)):
+        for name in sorted(pending):
             node = nodes.get(name)
             if node is None or table.supports(node, graph.opset, model.values):
                 fixed[name] = p.name
