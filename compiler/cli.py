@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import importlib
 import logging
 import os
@@ -54,6 +56,22 @@ class _WithHelp:
         return self.sub.add_parser(name, help=self.text, **kwargs)
 
 
+GC_YOUNG = 100_000  # allocations between young collections (Python's default: 700)
+
+
+@contextlib.contextmanager
+def collector():
+    """Fewer cyclic-GC sweeps while a command runs: a graph is hundreds of thousands of objects that
+    live as long as the command, and with Python's default threshold the collector traverses them
+    again and again (about 15 % of `mtkc check` at 0.5B). The previous thresholds come back after."""
+    before = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG, *before[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
@@ -68,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     log.handlers[:] = [handler]  # mtkc's messages go here whatever logging a host (pytest, an app) set up;
     log.setLevel(level)  # they still propagate to the host's handlers (capture), none of which print
     try:
-        with installed():  # SIGTERM/Ctrl-C: staging removed, converters killed, within a second
+        with installed(), collector():  # SIGTERM/Ctrl-C: staging removed, converters killed, within a second
             return args.func(args)
     except MtkcError as exc:
         print(f"mtkc: error: {escape(exc)}", file=sys.stderr)

@@ -183,3 +183,18 @@ def test_staged_removes_staging_of_dead_processes_only(tmp_path):
     with staging.staged(tmp_path / "out", overwrite=False) as stage:
         (stage / "report.md").write_text("new")
     assert sorted(p.name for p in tmp_path.iterdir()) == [".other.mtkc-1-x", f".out.mtkc-{os.getpid()}-x", "out"]
+
+
+def test_a_command_sweeps_the_collector_less_and_restores_its_thresholds(monkeypatch):
+    """While a command runs the young-generation threshold is `GC_YOUNG`; after it (also after an
+    error) the host's thresholds are back: mtkc as a library or under pytest is left as it was."""
+    import gc
+
+    from mtkc import cli
+    from mtkc.commands import sdks
+
+    before, during = gc.get_threshold(), []
+    monkeypatch.setattr(sdks, "run", lambda args: during.append(gc.get_threshold()) or 0)
+    assert main(["sdks"]) == 0 and during == [(cli.GC_YOUNG, *before[1:])]
+    monkeypatch.setattr(sdks, "run", lambda args: (_ for _ in ()).throw(InputError("bad")))
+    assert main(["sdks"]) == 2 and gc.get_threshold() == before
