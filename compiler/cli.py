@@ -63,7 +63,7 @@ GC_YOUNG = 100_000  # allocations between young collections (Python's default: 7
 def collector():
     """Fewer cyclic-GC sweeps while a command runs: a graph is hundreds of thousands of objects that
     live as long as the command, and with Python's default threshold the collector traverses them
-    again and again (about 15 % of `mtkc check` at 0.5B). The previous thresholds come back after."""
+    again and again (10-15 % of `mtkc check`'s CPU time at 0.5B). The previous thresholds come back after."""
     before = gc.get_threshold()
     gc.set_threshold(GC_YOUNG, *before[1:])
     try:

@@ -11,8 +11,9 @@ The small integer shape operands among them (`mtkc.ir.shape_values`: exact, in n
 first, without onnxruntime: at 0.5B 1777 of a round's 1790 nodes, whose one session cost more
 than the rest of the pass; the few others (the mask's Range/LessOrEqual/And) then run in it.
 
-Rounds repeat (fold -> re-infer shapes -> fold) until nothing changes, so TorchScript's shape
-maths (Shape -> Gather -> Unsqueeze -> Concat -> Reshape) disappears once shapes are bound.
+Rounds repeat (fold -> re-infer shapes where a tensor is untyped -> fold) until nothing changes,
+so TorchScript's shape maths (Shape -> Gather -> Unsqueeze -> Concat -> Reshape) disappears once
+shapes are bound.
 
 Size policy: an output is folded when it has at most FOLD_MAX_ELEMENTS (1 Mi) elements, or
 when it is a pure relayout of one constant (Transpose/Reshape/Squeeze/Unsqueeze/Flatten/
@@ -162,10 +163,11 @@ def fold_subgraphs(graph: gs.Graph, ctx: Context, misses: list[Miss]) -> int:
         known.update(t.name for t in node.outputs if not t.is_empty())
     if not foldable:
         return 0
-    known = shape_values.known_values(graph)
-    exact = [n for n in foldable if all(t.is_empty() or t.name in known for t in n.outputs)]
-    _replace(exact, known)  # in numpy; the rest then reads their values as constants
-    rest = [n for n in foldable if not all(t.is_empty() or t.name in known for t in n.outputs)]
+    operands = shape_values.known_values(graph)
+    exact, rest = [], []
+    for node in foldable:
+        (exact if all(t.is_empty() or t.name in operands for t in node.outputs) else rest).append(node)
+    _replace(exact, operands)  # in numpy; the rest then reads their values as constants
     if not rest:
         return len(exact)
     values = _run_batch(graph, rest, _frontier(rest), ctx)

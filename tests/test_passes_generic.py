@@ -231,7 +231,6 @@ def test_fold_shape_chain_to_constant_reshape():
     assert COUNTS["sessions"] == 0  # shape operands: evaluated in numpy (mtkc.ir.shape_values)
 
 
-
 def test_fold_evaluates_shape_operands_in_numpy_and_the_rest_in_one_session():
     """The shape chain folds without onnxruntime; the Range too long for `shape_values` (100 > 64
     elements) and the Cast reading it run in one session, on the chain's value; same numbers as
