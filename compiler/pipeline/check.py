@@ -180,7 +180,7 @@ def check(model_path, sdk: str, options: Options | dict[str, Any] | None = None,
             if node is None or table.supports(node, graph.opset, model.values):
                 fixed[name] = p.name
 
-    raw_model = model.fresh()
+    raw_model = model.copy()
     raw, unbound = raw_assessment(raw_model, table, options)
     watch.update(n for g in raw.groups for n in g.nodes)
     report = CheckReport(table.version, table.arch, str(model_path), raw, unbound,
