@@ -6,7 +6,8 @@ rope_mode by a full re-run), shape inference 15 times and opened 10 onnxruntime 
 the same minus the run-check's 4 sessions. Before 81009cb every bind-shapes also ran onnxruntime's
 symbolic shape inference (the TorchScript export's Range/Slice/Expand operands). Before 2026-12-03
 fold re-inferred a fully typed graph and rope/rmsnorm left their new tensors untyped (one more
-inference each): 7-9 per compile, now 5.
+inference each): 7-9 per compile, now 5. Before 2026-12-03 (a6e867c) each later graph was imported
+again from the parsed file (3 imports; now 1 and 2 copies), and the run-check kept every session open.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from mtkc.pipeline import verify as V
 from mtkc.pipeline.check import check
 from mtkc.pipeline.compile import compile_model
 from mtkc.runtime.generate import generate
+from mtkc.runtime.sessions import Sessions
 
 SDK = "7.0"
 
@@ -45,6 +47,15 @@ def test_compile_runs_the_pipeline_once_per_graph_written(kv_model, tmp_path):
     assert COUNTS["sessions"] == 3 * len(graphs) + files
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["options"]["rope_mode"] == "pos_emb"
+
+
+def test_the_run_check_holds_one_session_at_a_time(kv_model, tmp_path, monkeypatch):
+    """Each written file's session is dropped after its run: compile's peak memory is its build's."""
+    held, real = [], Sessions._open
+    monkeypatch.setattr(Sessions, "_open", lambda self, path: held.append(len(self._sessions)) or real(self, path))
+    result = compile_model(kv_model, SDK, tmp_path / "out", {"no_convert": True})
+    files = sum(1 + len(g["partitions"]) for g in result.manifest["graphs"])
+    assert held == [0] * files
 
 
 def test_check_shares_compiles_build_and_runs_nothing_written(kv_model):

@@ -49,9 +49,11 @@ def check_runs(out: Path, manifest: dict) -> None:
                  "(up to %.2f GB)", weights / 1e9, MAX_RUN_WEIGHT_BYTES / 1e9)
     sessions = Sessions(out, optimize=False, seconds=(LOAD_SECONDS, RUN_SECONDS))  # one mapping of weights.bin
     for graph in manifest.get("graphs", []):
-        _run(Path(out), graph["path"], f"graph '{graph['name']}'", sessions, run)
-        for part in graph.get("partitions", []):
-            _run(Path(out), part["path"], f"partition {graph['name']}/{part['id']}", sessions, run)
+        files = [(graph["path"], f"graph '{graph['name']}'")]
+        files += [(part["path"], f"partition {graph['name']}/{part['id']}") for part in graph.get("partitions", [])]
+        for relative, what in files:
+            _run(Path(out), relative, what, sessions, run)
+            sessions.release(Path(out) / relative)  # one session at a time: compile's peak is its build's
 
 
 def _run(out: Path, relative: str, what: str, sessions: Sessions, run: bool) -> None:

@@ -59,13 +59,15 @@ def infer(graph: gs.Graph, root: Path | None = None) -> None:
 
 
 def _with_values(base: onnx.ModelProto, known: dict[str, np.ndarray]) -> onnx.ModelProto:
-    """`base` (a stripped proto) with the nodes making `known` outputs replaced by initializers of their values."""
-    proto = onnx.ModelProto()
-    proto.CopyFrom(base)
-    del proto.graph.node[:]
-    proto.graph.node.extend(n for n in base.graph.node if not (n.output and n.output[0] in known))
-    proto.graph.initializer.extend(onnx.numpy_helper.from_array(v, name) for name, v in known.items())
-    return proto
+    """`base` (a stripped proto) with the nodes making `known` outputs replaced by initializers of their values.
+
+    Field by field: a whole copy would hold every node twice at the peak of a compile."""
+    g = base.graph
+    graph = onnx.GraphProto(name=g.name, input=g.input, output=g.output, initializer=g.initializer,
+                            value_info=g.value_info)
+    graph.node.extend(n for n in g.node if not (n.output and n.output[0] in known))
+    graph.initializer.extend(onnx.numpy_helper.from_array(v, name) for name, v in known.items())
+    return onnx.ModelProto(ir_version=base.ir_version, opset_import=base.opset_import, graph=graph)
 
 
 def _onnx_infer(graph: gs.Graph, proto: onnx.ModelProto, data_prop: bool, known: dict[str, np.ndarray] | None = None) -> None:

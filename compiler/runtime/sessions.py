@@ -52,6 +52,10 @@ class Sessions:
             self._sessions[path] = self._open(path)
         return self._sessions[path]
 
+    def release(self, path: str | Path) -> None:
+        """Drop the session of `path` (its graph and arena go back; the weight mappings stay)."""
+        self._sessions.pop(Path(path), None)
+
     def _open(self, path: Path) -> Bounded:
         proto = check_graph_file(path)  # external data inside OUT and within its files, before onnxruntime reads it
         options, _ = self._options(proto, path.parent)
