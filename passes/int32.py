@@ -62,6 +62,8 @@ class Int64ToInt32(Pass):
     def run(self, graph, ctx: Context) -> PassResult:
         result = PassResult()
         names = gu.Names(graph)
+        settled = shapes.settled(graph)
+        touched: list[gs.Node] = []  # nodes whose input dtypes or attributes change
         int64_outputs = [t for t in graph.outputs if _is_i64(t)]
         for t in graph.inputs:
             if _is_i64(t):
@@ -69,18 +71,22 @@ class Int64ToInt32(Pass):
                 self.converted_inputs.append(t.name)
                 result.rewrites += 1
                 result.notes.append(f"input '{t.name}' is now int32 (feed int32)")
-        result.rewrites += _convert_constants(graph, ctx, names, result.misses)
+                touched += t.outputs
+        result.rewrites += _convert_constants(graph, ctx, names, result.misses, touched)
         for node in graph.nodes:
             if node.op == "Cast" and node.attrs.get("to") == onnx.TensorProto.INT64:
                 node.attrs["to"] = onnx.TensorProto.INT32
                 result.rewrites += 1
+                touched.append(node)
             elif node.op == "ConstantOfShape" and isinstance(node.attrs.get("value"), gs.Constant):
                 value = node.attrs["value"]
                 if gu.dtype_of(value) == np.int64 and _fits(values(value, ctx.read_values)):
                     node.attrs["value"] = gs.Constant(value.name, values(value, ctx.read_values).astype(np.int32))
                     result.rewrites += 1
-        result.rewrites += _cast_int64_outputs(graph, names, result.misses)
-        shapes.infer(graph, ctx.root)
+                    touched.append(node)
+        result.rewrites += _cast_int64_outputs(graph, names, result.misses, touched)
+        if not (settled and shapes.retype(graph, touched)):  # only dtypes changed: downstream of them
+            shapes.infer(graph, ctx.root)
         result.rewrites += _restore_int64_slots(graph, names, result.misses)
         result.rewrites += _drop_noop_casts(graph)
         for t in int64_outputs:
@@ -106,8 +112,8 @@ def _fits(v: np.ndarray) -> bool:
     return v.size == 0 or (int(v.min()) >= I32.min and int(v.max()) <= I32.max)
 
 
-def _convert_constants(graph: gs.Graph, ctx: Context, names: gu.Names, misses: list[Miss]) -> int:
-    """int64 constants at data operands -> int32 copies (shared per constant and clamping)."""
+def _convert_constants(graph: gs.Graph, ctx: Context, names: gu.Names, misses: list[Miss], touched: list) -> int:
+    """int64 constants at data operands -> int32 copies (shared per constant and clamping); their readers join `touched`."""
     done: dict[tuple[int, bool], gs.Constant | None] = {}
     n = 0
     for node in graph.nodes:
@@ -125,12 +131,13 @@ def _convert_constants(graph: gs.Graph, ctx: Context, names: gu.Names, misses: l
                 misses.append(Miss(node.name, f"constant '{t.name}' has values outside int32"))
                 continue
             gu.set_input(node, i, done[key])  # t has many readers: unhook by identity
+            touched.append(node)
             n += 1
     return n
 
 
-def _cast_int64_outputs(graph: gs.Graph, names: gu.Names, misses: list[Miss]) -> int:
-    """Shape/ArgMax/...: int64 by definition; a Cast(to=INT32) takes over their data consumers."""
+def _cast_int64_outputs(graph: gs.Graph, names: gu.Names, misses: list[Miss], touched: list) -> int:
+    """Shape/ArgMax/...: int64 by definition; a Cast(to=INT32) takes over their data consumers (`touched`)."""
     n = 0
     for node in list(graph.nodes):
         if node.op not in INT64_OUTPUTS or node.domain not in (None, "", "ai.onnx"):
@@ -144,6 +151,7 @@ def _cast_int64_outputs(graph: gs.Graph, names: gu.Names, misses: list[Miss]) ->
             cast = Emit(graph, node.name).Cast(out, to=onnx.TensorProto.INT32, _dtype=np.int32, _shape=out.shape)
             for c, i in data_uses:
                 c.inputs[i] = cast
+                touched.append(c)
             n += 1
     return n
 

@@ -343,6 +343,32 @@ def test_int32_converts_inputs_clamps_slice_and_casts_shape():
     assert int32.Int64ToInt32().run(graph, Context(table=None)).rewrites == 0
 
 
+@pytest.mark.parametrize("exporter,cache", EXPORTS + [("optimum", True), ("genai-fp32", True)])
+def test_int32_retypes_downstream_as_whole_graph_inference_does(exported, exporter, cache, monkeypatch):
+    """int64-to-int32 on a settled graph re-infers only downstream of its edits (`shapes.retype`):
+    every tensor's dtype and shape is what ONNX's inference of the whole graph gives. (The genai
+    export is not settled after these four passes: it takes the whole inference both times.)"""
+    model = mtkc_model.load(exported("qwen2", exporter, cache))
+    graphs = {}
+    for whole in (False, True):
+        graph = model.copy().graph
+        ctx = _ctx(model, seq_len=SEQ, cache_len=CACHE)
+        for cls in PIPELINE[:4]:
+            cls().run(graph, ctx)
+            graph.cleanup().toposort()
+        settled = shapes.settled(graph)
+        assert settled or exporter == "genai-fp32"
+        if whole:
+            monkeypatch.setattr(shapes, "retype", lambda graph, changed: False)
+        COUNTS.clear()
+        int32.Int64ToInt32().run(graph, ctx)
+        assert (COUNTS["retypes"], COUNTS["shape inferences"]) == ((0, 1) if whole or not settled else (1, 0))
+        graphs[whole] = graph
+    typed = [{n: (str(t.dtype), t.shape) for n, t in g.tensors().items()} for g in graphs.values()]
+    assert typed[0] == typed[1]
+    assert gs.export_onnx(graphs[False]).SerializeToString() == gs.export_onnx(graphs[True]).SerializeToString()
+
+
 # --- opset17 ----------------------------------------------------------------------------------
 
 

@@ -7,7 +7,8 @@ the same minus the run-check's 4 sessions. Before 81009cb every bind-shapes also
 symbolic shape inference (the TorchScript export's Range/Slice/Expand operands). Before 2026-12-03
 fold re-inferred a fully typed graph and rope/rmsnorm left their new tensors untyped (one more
 inference each): 7-9 per compile, now 5. Before 2026-12-03 (a6e867c) each later graph was imported
-again from the parsed file (3 imports; now 1 and 2 copies), and the run-check kept every session open.
+again from the parsed file (3 imports; now 1 and 2 copies), int64-to-int32 re-inferred the whole graph
+(5 inferences per compile; now 3), and the run-check kept every session open.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def test_compile_runs_the_pipeline_once_per_graph_written(kv_model, tmp_path):
     assert result.build.picked["rope_mode"].startswith("pos_emb: the table Gather is a host lookup on SDK 7.0")
     assert (COUNTS["graph imports"], COUNTS["graph copies"]) == (1, 2)  # the input; copies for its verdicts and decode
     assert COUNTS["pipeline runs"] == 2
-    assert COUNTS["shape inferences"] == 1 + 2 * len(graphs)  # the input's; per graph bind-shapes and int64-to-int32
+    assert COUNTS["shape inferences"] == 1 + len(graphs)  # the input's; per graph bind-shapes
+    assert COUNTS["retypes"] == len(graphs)  # int64-to-int32 re-infers only downstream of its edits
     assert COUNTS["symbolic shape inferences"] == 0  # the shape operands' values type the bound graph (shape_values)
     # per graph one constant-folding batch, one rope-table evaluation and one mask-window probe (the
     # export's mask subgraph, run once); the run-check loads each file once
@@ -64,7 +66,7 @@ def test_check_shares_compiles_build_and_runs_nothing_written(kv_model):
     assert [g.name for g in report.graphs] == ["prefill", "decode"] and report.picked["rope_mode"].startswith("pos_emb")
     assert (COUNTS["graph imports"], COUNTS["graph copies"], COUNTS["pipeline runs"]) == (1, 2, 2)
     assert COUNTS["sessions"] == 6  # fold, rope tables, mask window per graph
-    assert COUNTS["shape inferences"] == 5 and COUNTS["symbolic shape inferences"] == 0
+    assert COUNTS["shape inferences"] == 3 and COUNTS["symbolic shape inferences"] == 0
 
 
 def test_verify_and_generate_build_each_session_once(kv_model, tmp_path):

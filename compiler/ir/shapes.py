@@ -16,9 +16,11 @@ com.microsoft ops. It only fills shapes that are still not static.
 from __future__ import annotations
 
 import functools
+import heapq
 import logging
 import math
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 import onnx
@@ -171,6 +173,66 @@ def _symbolic_infer(proto: onnx.ModelProto) -> onnx.ModelProto:
         sym._infer_impl()
     sym._update_output_from_vi()
     return sym.out_mp_
+
+
+def retype(graph: gs.Graph, changed: Iterable[gs.Node]) -> bool:
+    """What `infer` would give after dtype edits at the inputs or attributes of the `changed` nodes
+    of a graph that was `settled` before them (shapes stay): ONNX's inference node by node, from
+    `changed` downstream while an output's dtype changes, in topological order. Nodes ONNX has no
+    schema for keep their outputs, as in `infer`. False, with every tensor as it was, when a node
+    cannot be inferred alone (an input without a dtype, a subgraph, ONNX's error): run `infer`."""
+    opset = int(graph.opset)
+    nodes = topo_order(graph)
+    order = {id(n): i for i, n in enumerate(nodes)}
+    heap = sorted({order[id(n)] for n in changed if id(n) in order})
+    queued = set(heap)
+    edits: list[tuple[gs.Variable, object, object]] = []
+    imports = _opset_imports(graph)
+    while heap:
+        node = nodes[heapq.heappop(heap)]
+        if not _has_schema(node, opset):
+            continue
+        inferred = _node_types(node, opset, imports)
+        if inferred is None:
+            for t, dtype, shape in reversed(edits):
+                t.dtype, t.shape = dtype, shape
+            return False
+        for t in node.outputs:
+            typed = inferred.get(t.name)
+            if not isinstance(t, gs.Variable) or typed is None or not typed[0] or typed[0] == t.dtype:
+                continue
+            edits.append((t, t.dtype, t.shape))
+            t.dtype = typed[0]
+            if not _static(t) and typed[1] is not None and all(isinstance(d, int) for d in typed[1]):
+                t.shape = list(typed[1])
+            for c in t.outputs:
+                i = order.get(id(c))
+                if i is not None and i not in queued:
+                    queued.add(i)
+                    heapq.heappush(heap, i)
+    count("retypes")
+    return True
+
+
+def _node_types(node: gs.Node, opset: int, imports: list) -> dict[str, tuple] | None:
+    """{output name: (dtype, dims)} of one ONNX node by ONNX's inference from its inputs' types
+    (and small constants' values); None when it cannot be inferred alone."""
+    types, data = {}, {}
+    for t in node.inputs:
+        if not t.name:
+            continue
+        if t.dtype is None or t.shape is None or any(isinstance(v, gs.Graph) for v in node.attrs.values()):
+            return None
+        if isinstance(t, gs.Constant) and _inline(t):
+            data[t.name] = OnnxExporter.export_tensor_proto(t)
+        types[t.name] = onnx.helper.make_tensor_type_proto(dtype_to_onnx(t.dtype), list(t.shape))
+    try:
+        schema = onnx.defs.get_schema(node.op, opset, "")
+        out = onnx.shape_inference.infer_node_outputs(schema, OnnxExporter.export_node(node), types, data,
+                                                      opset_imports=imports)
+    except Exception:  # ONNX's inference or schema errors: the whole-graph inference decides
+        return None
+    return {name: value for name, vt in out.items() if (value := _value_type(vt)) is not None}
 
 
 def settled(graph: gs.Graph) -> bool:

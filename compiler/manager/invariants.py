@@ -81,8 +81,12 @@ def check(
     pass_name: str | None = None,
     loose_before: tuple[set[str], set[str]] | None = None,
     error: type[MtkcError] = PassError,
+    loose_now: tuple[set[str], set[str]] | None = None,
 ) -> None:
-    """Raise `error` naming the pass and the culprit when an invariant does not hold."""
+    """Raise `error` naming the pass and the culprit when an invariant does not hold.
+
+    `loose_now`: `loose_tensors(graph)` as it is, when the caller has it (spares a walk when the
+    pass left nothing loose that was not before)."""
     stage = _stage(pass_name)
     in_graph = {id(n) for n in graph.nodes}
     graph_inputs = {id(t) for t in graph.inputs}
@@ -95,26 +99,43 @@ def check(
             or (len(t.inputs) > 0 and id(t.inputs[0]) in in_graph)
         )
 
+    by_name: dict[str, gs.Tensor] = {}
+    twice = None  # the first name two tensors share, in `_tensors` order: reported after dangling inputs
+    for t in graph.inputs:
+        if t.name and by_name.setdefault(t.name, t) is not t and twice is None:
+            twice = t.name
     for node in graph.nodes:
         for t in node.inputs:
             if not produced(t):
                 raise error(f"{stage}: node '{node.name}' reads tensor '{t.name}', which no node, input or constant produces")
+            if t.name and by_name.setdefault(t.name, t) is not t and twice is None:
+                twice = t.name
+        for t in node.outputs:
+            if t.name and by_name.setdefault(t.name, t) is not t and twice is None:
+                twice = t.name
     for t in graph.outputs:
         if not produced(t):
             raise error(f"{stage}: graph output '{t.name}' is not produced by any node")
-
-    by_name: dict[str, gs.Tensor] = {}
-    for t in _tensors(graph):
-        if t.name and by_name.setdefault(t.name, t) is not t:
-            raise error(f"{stage}: two different tensors are named '{t.name}'")
+        if t.name and by_name.setdefault(t.name, t) is not t and twice is None:
+            twice = t.name
+    if twice is not None:
+        raise error(f"{stage}: two different tensors are named '{twice}'")
 
     if loose_before is not None and shapes_bound(graph):
+        if loose_now is not None and not new_loose(loose_now, loose_before):
+            return
         untyped, dynamic = loose_before
         for t in _variables(graph):
             if t.dtype is None and t.name not in untyped:
                 raise error(f"{stage}: tensor '{t.name}' has no dtype")
             if not dynamic and not static(t):
                 raise error(f"{stage}: tensor '{t.name}' has no static shape ({_shape_text(t)}) in a static graph")
+
+
+def new_loose(now: tuple[set[str], set[str]], before: tuple[set[str], set[str]]) -> bool:
+    """Did a pass leave a tensor untyped, or a static graph with a dynamic tensor (`loose_tensors`
+    after and before it)?"""
+    return bool(now[0] - before[0]) or (not before[1] and bool(now[1]))
 
 
 _TIED = {op: None for op in ("Add", "Sub", "Mul", "Div", "MatMul", "Max", "Min", "Sum", "Mean", "Concat", "Equal",

@@ -310,10 +310,10 @@ def run_pipeline(
         if verify_each or p.origin != "built-in" or result.changed or [id(n) for n in graph.nodes] != members:
             invariants.restore(graph, p.name)
             after = invariants.loose_tensors(graph) if invariants.shapes_bound(graph) else None
-            if after is not None and _new_loose(after, loose):
+            if after is not None and invariants.new_loose(after, loose):
                 _fill_types(graph, ctx.root)  # type what the pass left untyped; still loose -> PassError
-                after = None
-            invariants.check(graph, p.name, loose)
+                after = invariants.loose_tensors(graph)
+            invariants.check(graph, p.name, loose, loose_now=after)
             contract = invariants.check_io(graph, p, contract)  # undeclared I/O change -> PassError (the
             invariants.check_dtypes(graph, p)                   # cause of a dtype mix it would also leave)
         else:  # a built-in pass that rewrote nothing kept the nodes as they were (it may have typed tensors)
@@ -347,8 +347,3 @@ def _fill_types(graph: gs.Graph, root) -> None:
     for t in graph.tensors().values():
         if id(t) in known:
             t.dtype, t.shape = known[id(t)]
-
-
-def _new_loose(now: tuple[set[str], set[str]], before: tuple[set[str], set[str]]) -> bool:
-    """Did the pass leave a tensor untyped, or a static graph with a dynamic tensor?"""
-    return bool(now[0] - before[0]) or (not before[1] and bool(now[1]))
