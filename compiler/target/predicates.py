@@ -19,8 +19,12 @@ CAST_LIMIT = 1024  # elements of a constant whose values are read to check they 
 
 def _dtype_name(tensor: gs.Tensor) -> str | None:
     dt = tensor.dtype
-    if dt is None:
-        return None
+    return None if dt is None else _named(dt)
+
+
+@functools.cache
+def _named(dt) -> str:
+    """The table's name of a dtype (numpy's or an ONNX enum): float32, int64, bfloat16, ..."""
     try:
         enum = dt if isinstance(dt, int) else onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dt))
     except (TypeError, KeyError, ValueError):
@@ -34,12 +38,16 @@ def _shape(tensor: gs.Tensor):
 
 
 def _tensors(node: gs.Node):
-    """(label, tensor) for every present input and output."""
+    """(tensor, its index, input or not) for every present input and output (`_label` names one)."""
     for i, t in enumerate(node.inputs):
         if t.name:
-            yield f"input {i} '{t.name}'", t, i
+            yield t, i, True
     for i, t in enumerate(node.outputs):
-        yield f"output {i} '{t.name}'", t, None
+        yield t, i, False
+
+
+def _label(t: gs.Tensor, i: int, is_input: bool) -> str:
+    return f"{'input' if is_input else 'output'} {i} '{t.name}'"
 
 
 def _host(node, c, opset, read_values):
@@ -56,17 +64,17 @@ def _host(node, c, opset, read_values):
 def _dtypes(node, c, opset, read_values):
     default = c.get("dtypes")
     per_input = c.get("input_dtypes", {})
-    for label, t, index in _tensors(node):
-        allowed = per_input.get(str(index), default) if index is not None else default
+    for t, i, is_input in _tensors(node):
+        allowed = per_input.get(str(i), default) if is_input else default
         name = _dtype_name(t)
         if allowed is None or name is None or name in allowed:
             continue
-        const = constant_of(t) if index is not None and name in c.get("const_dtypes", ()) else None
+        const = constant_of(t) if is_input and name in c.get("const_dtypes", ()) else None
         if const is None:
-            return "dtype-unsupported", f"{label} is {name}", name
+            return "dtype-unsupported", f"{_label(t, i, is_input)} is {name}", name
         unfit = _int32_unfit(const, read_values)
         if unfit:
-            return "dtype-unsupported", f"{label} is a {name} constant {unfit}", name
+            return "dtype-unsupported", f"{_label(t, i, is_input)} is a {name} constant {unfit}", name
     return None
 
 
@@ -88,22 +96,22 @@ def _rank(node, c, opset, read_values):
     limit = c.get("max_rank")
     if limit is None:
         return None
-    for label, t, _ in _tensors(node):
+    for t, i, is_input in _tensors(node):
         shape = _shape(t)
         if shape is not None and len(shape) > limit:
-            return "rank-unsupported", f"{label} has rank {len(shape)} > {limit}", None
+            return "rank-unsupported", f"{_label(t, i, is_input)} has rank {len(shape)} > {limit}", None
     return None
 
 
 def _static(node, c, opset, read_values):
     if not c.get("static_shapes"):
         return None
-    for label, t, _ in _tensors(node):
+    for t, i, is_input in _tensors(node):
         shape = _shape(t)
         if shape is None:
-            return "shape-dynamic", f"{label} has an unknown shape", None
+            return "shape-dynamic", f"{_label(t, i, is_input)} has an unknown shape", None
         if not all(isinstance(d, (int, np.integer)) and d >= 0 for d in shape):
-            return "shape-dynamic", f"{label} has shape [{', '.join(map(str, shape))}]", None
+            return "shape-dynamic", f"{_label(t, i, is_input)} has shape [{', '.join(map(str, shape))}]", None
     return None
 
 
