@@ -47,7 +47,7 @@ class Rank4(Pass):
         names = gu.Names(graph)
         io = {id(t) for t in (*graph.inputs, *graph.outputs)}
         seen: set[int] = set()
-        for t in list(graph.tensors().values()):
+        for t in list(gu.tensor_map(graph).values()):
             if id(t) in seen or not _high(t):
                 continue
             if isinstance(t, gs.Constant):

@@ -37,7 +37,7 @@ import onnx_graphsurgeon as gs
 from mtkc.contract import io
 from mtkc.ir.constants import constant_of, values
 from mtkc.ir.execute import run
-from mtkc.ir.graph_utils import cleanup
+from mtkc.ir.graph_utils import cleanup, tensor_map
 from mtkc.rewrite.builder import Emit
 from mtkc.rewrite.markers import ROPE_TABLE
 from mtkc.rewrite.pattern import Refused
@@ -256,7 +256,7 @@ def _max_positions(ctx) -> int:
 def _evaluate(graph: gs.Graph, ctx, source: gs.Tensor, targets: list, max_pos: int) -> list[tuple[np.ndarray, int]]:
     """[(table [max_pos, F], rank of the target)] by running source -> targets on 0..max_pos-1."""
     sub = _copy_upstream(graph, targets)
-    tensors = sub.tensors()
+    tensors = tensor_map(sub)
     pos = tensors[source.name]
     pos.inputs.clear()
     rank = len(source.shape) if source.shape is not None else 1

@@ -11,7 +11,7 @@ import pytest
 
 from mtkc.ir import model as mmodel
 from mtkc.ir.clone import clone
-from mtkc.ir.graph_utils import cleanup
+from mtkc.ir.graph_utils import cleanup, tensor_map
 
 EXPORTS = [("legacy17", True), ("legacy14", False), ("dynamo", True), ("hf", True), ("optimum", True),
            ("genai-fp32", True), ("genai-int4", True)]
@@ -37,6 +37,7 @@ def test_a_copy_is_the_graph_imported_again(exporter, cache, exported):
     assert copy.graph is not model.graph and copy.proto is model.proto
     assert _bytes(copy.graph) == _bytes(fresh.graph)
     assert _links(copy.graph) == _links(fresh.graph)
+    assert list(tensor_map(copy.graph).items()) == list(copy.graph.tensors().items())
     old = {id(x) for x in [*model.graph.nodes, *model.graph.tensors().values()]}
     assert not old & {id(x) for x in [*copy.graph.nodes, *copy.graph.tensors().values()]}
     weight = next(t for t in copy.graph.tensors().values() if isinstance(t, gs.Constant) and t.shape)
@@ -81,3 +82,11 @@ def test_a_graph_with_a_subgraph_is_imported_again(tmp_path):
     assert clone(model.graph) is None
     copy = model.copy()
     assert copy.graph is not model.graph and _bytes(copy.graph) == _bytes(model.graph)
+
+
+def test_tensor_map_is_graphsurgeons_map():
+    """A repeated name keeps its first place and its last tensor, as `Graph.tensors()` does."""
+    x, y, twin = gs.Variable("x", np.float32, [2]), gs.Variable("y"), gs.Variable("x")
+    graph = gs.Graph(nodes=[gs.Node("Relu", inputs=[x], outputs=[y]), gs.Node("Neg", inputs=[y], outputs=[twin])],
+                     inputs=[x], outputs=[twin, gs.Variable.empty()])
+    assert list(tensor_map(graph).items()) == list(graph.tensors().items()) == [("x", twin), ("y", y)]

@@ -24,7 +24,7 @@ import onnx_graphsurgeon as gs
 from mtkc.analysis.decoder import QDQ, DecoderMap, decoder_map, present_of
 from mtkc.contract import io as contract_io
 from mtkc.ir import shapes
-from mtkc.ir.graph_utils import static_shape
+from mtkc.ir.graph_utils import static_shape, tensor_map
 from mtkc.display import escape
 from mtkc.errors import InputError, InternalError
 
@@ -222,7 +222,7 @@ def probe_length(graph: gs.Graph, start: int = PROBE_START) -> int:
     is read: only integer constants of at most SMALL elements."""
     taken = set()
     constants = [node.attrs["value"] for node in graph.nodes if node.op == "Constant" and "value" in node.attrs]
-    for t in [*graph.tensors().values(), *constants]:
+    for t in [*tensor_map(graph).values(), *constants]:
         taken.update(d for d in t.shape or () if isinstance(d, int))
         if isinstance(t, gs.Constant) and np.dtype(t.dtype).kind in "iu" and int(np.prod(t.shape)) <= SMALL:
             taken.update(int(v) for v in np.asarray(t.values).ravel())
@@ -247,7 +247,7 @@ def probe_shapes(graph: gs.Graph, root=None, keep: set[int] = frozenset(),
         if contract_io.is_mask(t.name) and len(t.shape) == 4:  # additive, no past yet: [1, 1, S, S]
             t.shape = [1, 1, length, length]
     shapes.infer(probe, root)
-    return {name: t.shape for name, t in probe.tensors().items()}, length
+    return {name: t.shape for name, t in tensor_map(probe).items()}, length
 
 
 # -- GroupQueryAttention's cache (its attributes and inputs) -------------------------------------

@@ -23,6 +23,7 @@ import onnx_graphsurgeon as gs
 from mtkc.analysis.decoder import DecoderMap
 from mtkc.contract import io
 from mtkc.errors import InputError
+from mtkc.ir.graph_utils import tensor_map
 
 _SKIP = ("Shape", "Size")
 
@@ -84,7 +85,7 @@ def layer_regions(graph: gs.Graph, dm: DecoderMap) -> dict[int, Region]:
     bounds = layer_boundaries(graph, dm)
     last = dm.layers[-1]
     head = next((n for n in graph.nodes if n.name == dm.logits), None)
-    end = graph.tensors().get(last.residual_out) or (head.inputs[0] if head is not None else None)
+    end = tensor_map(graph).get(last.residual_out) or (head.inputs[0] if head is not None else None)
     ends = {x.index: bounds[y.index] for x, y in zip(dm.layers, dm.layers[1:])} | {last.index: end}
     taken = _below(end, set()) if end is not None else set()
     members: dict[int, set[int]] = {}

@@ -24,6 +24,7 @@ from mtkc.errors import InputError
 from mtkc.ir import wire
 from mtkc.ir.clone import clone, copy_message
 from mtkc.ir.counts import count
+from mtkc.ir.graph_utils import tensor_map
 from mtkc.ir.model_checks import (
     ExternalDataError,
     allowed_trees,
@@ -200,7 +201,7 @@ def constants(graph: gs.Graph):
     stack = [graph, *reversed(graph.functions)]
     while stack:
         g = stack.pop()
-        tensors = list(g.tensors().values())
+        tensors = list(tensor_map(g).values())
         for node in g.nodes:
             for value in node.attrs.values():
                 if isinstance(value, gs.Constant):

@@ -32,6 +32,7 @@ from onnx_graphsurgeon.importers.onnx_importer import get_onnx_tensor_dtype
 from mtkc.errors import InputError
 from mtkc.ir import constants, shape_values
 from mtkc.ir.counts import count
+from mtkc.ir.graph_utils import tensor_map
 from mtkc.ir.toposort import topo_order
 
 INLINE_ELEMENTS = 128  # constants copied into the shape-inference model (shape operands)
@@ -50,7 +51,7 @@ def infer(graph: gs.Graph, root: Path | None = None) -> None:
     _onnx_infer(graph, base, small)
     before = None
     for _ in range(VALUE_ROUNDS if all(_static(t) for t in graph.inputs) else 0):
-        loose = sum(1 for t in graph.tensors().values() if not _static(t))
+        loose = sum(1 for t in tensor_map(graph).values() if not _static(t))
         if not loose or loose == before:
             break
         before = loose  # shape operands computed from the bound shapes, as constants of one more sweep
@@ -76,7 +77,7 @@ def _onnx_infer(graph: gs.Graph, proto: onnx.ModelProto, data_prop: bool, known:
     """ONNX's inference on a stripped copy of `graph`; `known`: node outputs it sees as constants of these values."""
     inferred = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=data_prop)
     infos = {vi.name: vi for vi in [*inferred.graph.value_info, *inferred.graph.output]}
-    tensors = graph.tensors()
+    tensors = tensor_map(graph)
     types: dict[bytes, tuple | None] = {}  # the layers of an LLM repeat their value types
     for name, vi in infos.items():
         tensor = tensors.get(name)
@@ -143,7 +144,7 @@ def _announced_ranges(graph: gs.Graph, known: dict[str, np.ndarray] | None = Non
 
 def finish(graph: gs.Graph, root: Path | None = None) -> None:
     """onnxruntime's symbolic shape inference for what ONNX left non-static, when the inputs are static."""
-    if not all(_static(t) for t in graph.inputs) or all(_static(t) for t in graph.tensors().values()):
+    if not all(_static(t) for t in graph.inputs) or all(_static(t) for t in tensor_map(graph).values()):
         return
     count("symbolic shape inferences")
     try:
@@ -151,7 +152,7 @@ def finish(graph: gs.Graph, root: Path | None = None) -> None:
     except Exception as exc:  # it raises bare Exceptions on ops it cannot handle
         log.debug("symbolic shape inference failed: %s", exc)
         return
-    tensors = graph.tensors()
+    tensors = tensor_map(graph)
     for vi in [*inferred.graph.value_info, *inferred.graph.output]:
         t = tensors.get(vi.name)
         if isinstance(t, gs.Variable) and not _static(t) and vi.type.HasField("tensor_type"):

@@ -32,6 +32,7 @@ import onnx_graphsurgeon as gs
 
 from mtkc.errors import InputError, MtkcError, PassError
 from mtkc.ir import shapes
+from mtkc.ir.graph_utils import tensor_map
 from mtkc.manager import invariants
 from mtkc.manager.guard import guarded, one_line
 from mtkc.manager.verify_each import EachVerifier
@@ -340,10 +341,10 @@ def _fill_types(graph: gs.Graph, root) -> None:
     """ONNX shape inference for tensors without dtype/static shape; known ones are kept as they are."""
     known = {
         id(t): (t.dtype, t.shape)
-        for t in graph.tensors().values()
+        for t in tensor_map(graph).values()
         if isinstance(t, gs.Variable) and t.dtype is not None and invariants.static(t)
     }
     shapes.infer(graph, root)
-    for t in graph.tensors().values():
+    for t in tensor_map(graph).values():
         if id(t) in known:
             t.dtype, t.shape = known[id(t)]

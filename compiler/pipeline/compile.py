@@ -27,6 +27,7 @@ from mtkc.backend.deliver import finish
 from mtkc.backend.staging import check_target, staged
 from mtkc.display import Progress
 from mtkc.errors import InputError
+from mtkc.ir.graph_utils import tensor_map
 from mtkc.ir.model import Model, external_info, load
 from mtkc.ir.weights import WeightWriter
 from mtkc.manager.pass_manager import PassRecord
@@ -158,7 +159,7 @@ def _check_out(out: Path, model: Model, overwrite: bool) -> None:
 
 def _external_files(model: Model) -> list[Path]:
     files = set()
-    for t in model.graph.tensors().values():
+    for t in tensor_map(model.graph).values():
         lazy = getattr(t, "_values", None)
         if isinstance(lazy, gs.ir.tensor.LazyValues):
             info = external_info(lazy.tensor)

@@ -17,6 +17,7 @@ from mtkc.errors import InputError
 from mtkc.ir.execute import run
 from mtkc.analysis.cache import KINDS, layer_caches
 from mtkc.analysis.regions import layer_boundaries
+from mtkc.ir.graph_utils import tensor_map
 from mtkc.passes.kv_cache.io import contract_order
 from mtkc.passes.kv_cache.plan import chunk_ranges, kv_on
 from mtkc.rewrite.pass_api import Context, Pass, PassResult, register
@@ -53,7 +54,7 @@ class LayerChunks(Pass):
         self.prefix = None
         if first > 0 and ctx.options.verify_each:  # map_feeds computes hidden_states with it
             self.prefix = graph.copy()
-            self.prefix.outputs = [self.prefix.tensors()[bounds[first].name]]
+            self.prefix.outputs = [tensor_map(self.prefix)[bounds[first].name]]
             self.prefix.cleanup(remove_unused_graph_inputs=True)
         if first > 0:
             cut = bounds[first]
