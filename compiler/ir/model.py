@@ -64,7 +64,7 @@ class Model:
         return replace(self, graph=_import(self.proto, self.path, self.root))
 
     def copy(self) -> Model:
-        """This model with a copy of its graph (`mtkc.ir.clone`), three times faster than `fresh`.
+        """This model with a copy of its graph (`mtkc.ir.clone`), 2-3x faster than `fresh`.
         For a model no pass has touched yet, whose graph is still as `load` gave it: a graph that
         cannot be copied is imported again."""
         graph = clone(self.graph)
