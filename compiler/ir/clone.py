@@ -29,19 +29,21 @@ def clone(graph: gs.Graph) -> gs.Graph | None:
     if graph.functions or any(isinstance(v, (gs.Graph, gs.Node.AttributeRef)) for n in graph.nodes
                               for v in n.attrs.values()):
         return None
-    tensors: dict[int, gs.Tensor] = {}
+    tensors: dict[int, tuple[gs.Tensor, gs.Tensor]] = {}  # id of the original -> (original, copy)
     nodes: dict[int, gs.Node] = {}
 
     def tensor(t: gs.Tensor) -> gs.Tensor:
-        copy = tensors.get(id(t))
-        if copy is None:
-            copy = tensors[id(t)] = object.__new__(type(t))
-            for key, value in t.__dict__.items():
-                if key == "inputs" or key == "outputs":
-                    value = _linked(copy, "outputs" if key == "inputs" else "inputs")
-                elif key == "shape" and type(value) is list:
-                    value = list(value)
-                _set(copy, key, value)
+        pair = tensors.get(id(t))
+        if pair is not None:
+            return pair[1]
+        copy = object.__new__(type(t))
+        tensors[id(t)] = t, copy
+        for key, value in t.__dict__.items():
+            if key == "inputs" or key == "outputs":
+                value = _linked(copy, "outputs" if key == "inputs" else "inputs")
+            elif key == "shape" and type(value) is list:
+                value = list(value)
+            _set(copy, key, value)
         return copy
 
     for node in graph.nodes:
@@ -54,12 +56,9 @@ def clone(graph: gs.Graph) -> gs.Graph | None:
             _set(copy, key, value)
         list.extend(copy.inputs, [tensor(t) for t in node.inputs])
         list.extend(copy.outputs, [tensor(t) for t in node.outputs])
-    originals = {id(t): t for t in graph.inputs + graph.outputs}
-    for node in graph.nodes:
-        for t in node.inputs + node.outputs:
-            originals[id(t)] = t
-    for t in originals.values():
-        copy = tensor(t)
+    for t in graph.inputs + graph.outputs:  # I/O tensors no node touches
+        tensor(t)
+    for t, copy in list(tensors.values()):  # tensor attributes among them: no producers, no readers
         try:
             list.extend(copy.inputs, [nodes[id(n)] for n in t.inputs])
             list.extend(copy.outputs, [nodes[id(n)] for n in t.outputs])

@@ -218,11 +218,13 @@ def retype(graph: gs.Graph, changed: Iterable[gs.Node]) -> bool:
 def _node_types(node: gs.Node, opset: int, imports: list) -> dict[str, tuple] | None:
     """{output name: (dtype, dims)} of one ONNX node by ONNX's inference from its inputs' types
     (and small constants' values); None when it cannot be inferred alone."""
+    if any(isinstance(v, gs.Graph) for v in node.attrs.values()):
+        return None
     types, data = {}, {}
     for t in node.inputs:
         if not t.name:
             continue
-        if t.dtype is None or t.shape is None or any(isinstance(v, gs.Graph) for v in node.attrs.values()):
+        if t.dtype is None or t.shape is None:
             return None
         if isinstance(t, gs.Constant) and _inline(t):
             data[t.name] = OnnxExporter.export_tensor_proto(t)

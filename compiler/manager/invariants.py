@@ -100,26 +100,27 @@ def check(
         )
 
     by_name: dict[str, gs.Tensor] = {}
-    twice = None  # the first name two tensors share, in `_tensors` order: reported after dangling inputs
+    twice: list[str] = []  # names two tensors share, in `_tensors` order: reported after dangling inputs
+
+    def named(t: gs.Tensor) -> None:
+        if t.name and by_name.setdefault(t.name, t) is not t:
+            twice.append(t.name)
+
     for t in graph.inputs:
-        if t.name and by_name.setdefault(t.name, t) is not t and twice is None:
-            twice = t.name
+        named(t)
     for node in graph.nodes:
         for t in node.inputs:
             if not produced(t):
                 raise error(f"{stage}: node '{node.name}' reads tensor '{t.name}', which no node, input or constant produces")
-            if t.name and by_name.setdefault(t.name, t) is not t and twice is None:
-                twice = t.name
+            named(t)
         for t in node.outputs:
-            if t.name and by_name.setdefault(t.name, t) is not t and twice is None:
-                twice = t.name
+            named(t)
     for t in graph.outputs:
         if not produced(t):
             raise error(f"{stage}: graph output '{t.name}' is not produced by any node")
-        if t.name and by_name.setdefault(t.name, t) is not t and twice is None:
-            twice = t.name
-    if twice is not None:
-        raise error(f"{stage}: two different tensors are named '{twice}'")
+        named(t)
+    if twice:
+        raise error(f"{stage}: two different tensors are named '{twice[0]}'")
 
     if loose_before is not None and shapes_bound(graph):
         if loose_now is not None and not new_loose(loose_now, loose_before):
