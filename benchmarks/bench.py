@@ -10,6 +10,7 @@ ratios and writes JSON. See benchmarks/README.md.
     python benchmarks/bench.py --sizes 0.5b --layers ""  --skip "ort optimizer"
     python benchmarks/bench.py --sizes "" --layers "" --inline 2   # inline vs external data only
     python benchmarks/bench.py --sizes "" --layers "" --nodes 780  # check on a 200k-node graph only
+    python benchmarks/bench.py --readme             # README.md's performance tables from results.json
 """
 
 from __future__ import annotations
@@ -358,6 +359,63 @@ def table(size: str, result: dict) -> str:
     return "\n".join(lines)
 
 
+README_BEGIN, README_END = "<!-- bench.py --readme: begin -->", "<!-- bench.py --readme: end -->"
+
+
+def readme_tables(results: dict) -> str:
+    """The README's performance tables from a results.json: check/compile against the copy floor per
+    export, then verify/generate against their onnxruntime runs, then the scaling and many-node lines."""
+    rows = []
+    for layers, result in results.get("scaling", {}).items():
+        if int(layers) != SIZES["0.5b"]["layers"] or "0.5b" not in results.get("sizes", {}):
+            rows.append((f"0.5B dims, {layers} layers", result))
+    for size, result in results.get("sizes", {}).items():
+        rows.append((f"{size.upper()}, {SIZES[size]['layers']} layers", result))
+    rows.sort(key=lambda r: r[1]["bytes"])
+    lines = [("| model | copy floor s | start+load s | `mtkc check` s (× floor) | `mtkc compile` s (× floor) "
+              "| compile peak RSS MB |"), "|---|---|---|---|---|---|"]
+    for label, result in rows:
+        t, rel = result["tools"], ratios(result["tools"])
+        if not all(k in t for k in (COPY, START, CHECK, COMPILE)):
+            continue
+        lines.append(f"| {label} ({result['bytes'] / 1e9:.2f} GB) | {t[COPY]['wall_s']:.1f} | {t[START]['wall_s']:.1f} | "
+                     f"{t[CHECK]['wall_s']:.1f} ({rel[CHECK]['x_copy']:.2f}) | {t[COMPILE]['wall_s']:.1f} "
+                     f"({rel[COMPILE]['x_copy']:.2f}) | {t[COMPILE]['peak_rss_mb']:.0f} |")
+    runtime = [(size, name, r) for size, result in results.get("sizes", {}).items()
+               for name, r in result["tools"].items() if name in (VERIFY, GENERATE) and r.get("onnxruntime_s")]
+    if runtime:
+        lines += ["", ("| runtime (its onnxruntime runs are the floor) | wall s | in onnxruntime runs s | × runs "
+                       "| peak RSS MB | fp32 weights MB |"), "|---|---|---|---|---|---|"]
+        for size, name, r in runtime:
+            runs = r["onnxruntime_s"].get("onnxruntime runs") or 0
+            ratio = f"{r['wall_s'] / runs:.2f}" if runs else "-"
+            lines.append(f"| `{name}` {size.upper()} | {r['wall_s']:.1f} | {runs:.1f} | {ratio} | "
+                         f"{r['peak_rss_mb']:.0f} | {r.get('weights_mb', 0):.0f} |")
+    notes = []
+    counts = next((r["compile_counts"] for r in results.get("sizes", {}).values() if r.get("compile_counts")), None)
+    if counts:
+        notes.append("per compile " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    if "scaling_48_over_24" in results:
+        notes.append(f"compile at 48 vs 24 layers {results['scaling_48_over_24']['value']}×")
+    many = results.get("nodes")
+    if many:
+        notes.append(f"`mtkc check` of a {many['nodes']}-node graph ({many['layers']} tiny layers) "
+                     f"{many[CHECK]['wall_s']:.0f} s, peak RSS {many[CHECK]['peak_rss_mb']:.0f} MB")
+    if notes:
+        lines += ["", "; ".join(notes) + f" (measured {results['machine']['time'][:10]}, "
+                  f"load {results['machine']['loadavg_at_start'][0]}–{results['machine'].get('loadavg_at_end', ['?'])[0]})."]
+    return "\n".join(lines)
+
+
+def update_readme(readme: Path, results: dict) -> None:
+    """Replace the text between README_BEGIN and README_END in `readme` with `readme_tables(results)`."""
+    text = readme.read_text()
+    start, end = text.find(README_BEGIN), text.find(README_END)
+    if start < 0 or end < start:
+        raise SystemExit(f"{readme}: no '{README_BEGIN}' ... '{README_END}' block")
+    readme.write_text(text[:start + len(README_BEGIN)] + "\n" + readme_tables(results) + "\n" + text[end:])
+
+
 def machine() -> dict:
     load = os.getloadavg()
     return {"python": platform.python_version(), "cpus": os.cpu_count(), "loadavg_at_start": [round(x, 2) for x in load],
@@ -378,7 +436,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", default="", help="comma-separated tool names to skip, of: "
                         f"{', '.join([*tools(Path('m'), Path('w'), '0.5b'), VERIFY])} ({VERIFY} skips {GENERATE} too)")
     parser.add_argument("--limit-gb", type=float, default=14.0, help="kill a tool whose process tree exceeds this RSS")
+    parser.add_argument("--readme", type=Path, nargs="?", const=HERE.parent / "README.md", metavar="README",
+                        help="measure nothing: rewrite the performance tables of README (default the project's) "
+                             "from --out")
     args = parser.parse_args(argv)
+    if args.readme:
+        update_readme(args.readme, json.loads(args.out.read_text()))
+        print(f"wrote {args.readme} from {args.out}", file=sys.stderr)
+        return 0
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     args.cache.mkdir(parents=True, exist_ok=True)
     limit = args.limit_gb * 1024
