@@ -394,7 +394,7 @@ def readme_tables(results: dict) -> str:
     notes = []
     counts = next((r["compile_counts"] for r in results.get("sizes", {}).values() if r.get("compile_counts")), None)
     if counts:
-        notes.append("per compile " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+        notes.append("per compile: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     if "scaling_48_over_24" in results:
         notes.append(f"compile at 48 vs 24 layers {results['scaling_48_over_24']['value']}×")
     many = results.get("nodes")

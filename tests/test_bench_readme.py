@@ -37,7 +37,7 @@ def test_tables_give_each_export_once_smallest_first_with_ratios_to_its_floor(be
     assert rows == ["| 0.5B dims, 2 layers (1.21 GB) | 1.0 | 0.5 | 0.8 (0.80) | 1.5 (1.50) | 110 |",
                     "| 0.5B, 24 layers (2.52 GB) | 4.0 | 1.0 | 2.0 (0.50) | 6.0 (1.50) | 210 |"]
     assert "| `mtkc verify` 0.5B | 30.0 | 20.0 | 1.50 | 3000 | 2404 |" in text
-    assert "per compile 2 pipeline runs" in text and "48 vs 24 layers 1.96×" in text
+    assert "per compile: pipeline runs 2" in text and "48 vs 24 layers 1.96×" in text
     assert "197452-node graph (780 tiny layers) 120 s" in text
 
 
