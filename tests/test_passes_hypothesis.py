@@ -153,7 +153,6 @@ def rank5_graphs(draw):
     n = draw(st.integers(1, 3))
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
     x = gs.Variable("x", np.float32, shape)
-    u5 = shape[:k] + [1] + shape[k:]
     e5 = shape[:k] + [n] + shape[k:]
     u, e, m, y = gs.Variable("u"), gs.Variable("e"), gs.Variable("m"), gs.Variable("y")
     cshape = e5[draw(st.integers(0, 5)):]
