@@ -325,15 +325,20 @@ def ratios(rows: dict) -> dict[str, dict]:
                    "x_onnxslim": round(r["wall_s"] / slim, 2) if slim else None} for name, r in rows.items()}
 
 
+def x_runs(row: dict) -> float | None:
+    """A runtime row's wall time over the seconds it spent in onnxruntime runs (its floor)."""
+    runs = (row.get("onnxruntime_s") or {}).get("onnxruntime runs")
+    return round(row["wall_s"] / runs, 2) if runs else None
+
+
 def targets(rows: dict) -> dict[str, dict]:
     out, rel = {}, ratios(rows)
     for label, (tool, what, limit) in TARGETS.items():
         if tool not in rows:
             continue
         row = rows[tool]
-        runs = (row.get("onnxruntime_s") or {}).get("onnxruntime runs")
         value = {"floor": rel[tool]["x_copy"], "slim": rel[tool]["x_onnxslim"], "rss": row["peak_rss_mb"],
-                 "runs": round(row["wall_s"] / runs, 2) if runs else None,
+                 "runs": x_runs(row),
                  "rss_over_weights": round(row["peak_rss_mb"] - row.get("weights_mb", 0), 1)}[what]
         if value is None:
             continue
@@ -387,9 +392,9 @@ def readme_tables(results: dict) -> str:
         lines += ["", ("| runtime (its onnxruntime runs are the floor) | wall s | in onnxruntime runs s | × runs "
                        "| peak RSS MB | fp32 weights MB |"), "|---|---|---|---|---|---|"]
         for size, name, r in runtime:
-            runs = r["onnxruntime_s"].get("onnxruntime runs") or 0
-            ratio = f"{r['wall_s'] / runs:.2f}" if runs else "-"
-            lines.append(f"| `{name}` {size.upper()} | {r['wall_s']:.1f} | {runs:.1f} | {ratio} | "
+            runs, ratio = r["onnxruntime_s"].get("onnxruntime runs") or 0, x_runs(r)
+            lines.append(f"| `{name}` {size.upper()} | {r['wall_s']:.1f} | {runs:.1f} | "
+                         f"{'-' if ratio is None else f'{ratio:.2f}'} | "
                          f"{r['peak_rss_mb']:.0f} | {r.get('weights_mb', 0):.0f} |")
     notes = []
     counts = next((r["compile_counts"] for r in results.get("sizes", {}).values() if r.get("compile_counts")), None)
