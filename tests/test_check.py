@@ -220,3 +220,28 @@ def test_check_table_fits_the_terminal_and_remedies_have_one_style(exported):
                        r"--sdk \d+\.\d+|CPU fallback)$")
     remedies = {report.remedy(g) for g in report.assessment.groups}
     assert remedies and all(style.match(r) for r in remedies), remedies
+
+
+def test_rewritten_by_names_a_pass_that_edits_a_node_in_place(tmp_path):
+    """check judges an unsupported node again when anything its verdict reads has changed, an
+    attribute edited in place included: the Softmax over axis 1 (not the last, as SDK 6.0 needs)
+    stays after `cleanup` and is fixed by the plugin that sets its axis."""
+    from pathlib import Path
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Softmax", ["x"], ["y"], name="soft", axis=1)], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8])])
+    path = tmp_path / "softmax.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    plugin = str(Path(__file__).parent / "plugins" / "softmax_last.py")
+
+    raw = check(path, "6.0", compiled=False)
+    assert [n for g in raw.assessment.groups for n in g.nodes] == ["soft"]
+    report = check(path, "6.0", passes=["cleanup", "softmax-last"], plugins=[plugin])
+    assert report.rewritten_by == {"soft": "softmax-last"}
+    assert report.graphs[0].cpu_nodes == 0
+    untouched = check(path, "6.0", passes=["cleanup"])
+    assert untouched.rewritten_by == {} and untouched.graphs[0].cpu_nodes == 1

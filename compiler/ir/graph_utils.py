@@ -188,12 +188,13 @@ def plain(graph: gs.Graph) -> bool:
     return True
 
 
-def cleanup(graph: gs.Graph, unused_inputs: bool = False) -> gs.Graph:
+def cleanup(graph: gs.Graph, unused_inputs: bool = False, simple: bool | None = None) -> gs.Graph:
     """`graph.cleanup(remove_unused_graph_inputs=unused_inputs)` in linear time: drop nodes no graph
     output depends on, clearing their inputs/outputs; graph inputs lose their producers; with
     `unused_inputs`, graph inputs nothing reads are dropped (by name, and through producers outside
-    `graph.nodes`, as graphsurgeon does; without it only the graph's own nodes count)."""
-    if not plain(graph):
+    `graph.nodes`, as graphsurgeon does; without it only the graph's own nodes count).
+    `simple`: `plain(graph)`, when the caller knows it."""
+    if not (plain(graph) if simple is None else simple):
         return graph.cleanup(remove_unused_graph_inputs=unused_inputs)
     for t in graph.inputs:
         t.inputs.clear()

@@ -32,7 +32,7 @@ from onnx_graphsurgeon.importers.onnx_importer import get_onnx_tensor_dtype
 from mtkc.errors import InputError
 from mtkc.ir import constants, shape_values
 from mtkc.ir.counts import count
-from mtkc.ir.graph_utils import tensor_map
+from mtkc.ir.graph_utils import plain, tensor_map
 from mtkc.ir.toposort import topo_order
 
 INLINE_ELEMENTS = 128  # constants copied into the shape-inference model (shape operands)
@@ -48,16 +48,17 @@ def infer(graph: gs.Graph, root: Path | None = None) -> None:
     count("shape inferences")
     small = _announced_ranges(graph) <= PROPAGATE_ELEMENTS  # data propagation computes them (2^40: never ends)
     base = stripped_proto(graph, root)
-    _onnx_infer(graph, base, small)
+    tensors = tensor_map(graph)  # inference names nothing: one map serves every sweep
+    _onnx_infer(tensors, base, small)
     before = None
     for _ in range(VALUE_ROUNDS if all(_static(t) for t in graph.inputs) else 0):
-        loose = sum(1 for t in tensor_map(graph).values() if not _static(t))
+        loose = sum(1 for t in tensors.values() if not _static(t))
         if not loose or loose == before:
             break
         before = loose  # shape operands computed from the bound shapes, as constants of one more sweep
         known = shape_values.known_values(graph)
         small = _announced_ranges(graph, known) <= PROPAGATE_ELEMENTS  # bounds that are known now count too
-        _onnx_infer(graph, _with_values(base, known), small, known)
+        _onnx_infer(tensors, _with_values(base, known), small, known)
     finish(graph, root)
 
 
@@ -73,15 +74,19 @@ def _with_values(base: onnx.ModelProto, known: dict[str, np.ndarray]) -> onnx.Mo
     return onnx.ModelProto(ir_version=base.ir_version, opset_import=base.opset_import, graph=graph)
 
 
-def _onnx_infer(graph: gs.Graph, proto: onnx.ModelProto, data_prop: bool, known: dict[str, np.ndarray] | None = None) -> None:
-    """ONNX's inference on a stripped copy of `graph`; `known`: node outputs it sees as constants of these values."""
+def _onnx_infer(tensors: dict[str, gs.Tensor], proto: onnx.ModelProto, data_prop: bool,
+                known: dict[str, np.ndarray] | None = None) -> None:
+    """ONNX's inference on `proto`, a stripped copy of the graph whose `tensor_map` is `tensors`;
+    `known`: node outputs it sees as constants of these values (a sweep after the first, which
+    leaves the tensors it typed static as they are: more values only refine the rest)."""
     inferred = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=data_prop)
     infos = {vi.name: vi for vi in [*inferred.graph.value_info, *inferred.graph.output]}
-    tensors = tensor_map(graph)
     types: dict[bytes, tuple | None] = {}  # the layers of an LLM repeat their value types
     for name, vi in infos.items():
         tensor = tensors.get(name)
         if tensor is None or not isinstance(tensor, gs.Variable):
+            continue
+        if known is not None and tensor.dtype is not None and _static(tensor):
             continue
         key = vi.type.SerializeToString()
         if key not in types:
@@ -90,12 +95,15 @@ def _onnx_infer(graph: gs.Graph, proto: onnx.ModelProto, data_prop: bool, known:
             continue
         dtype, shape = types[key]
         if dtype is not None:
-            tensor.dtype = dtype
+            _set(tensor, "dtype", dtype)
         if shape is not None:
-            tensor.shape = list(shape)
+            _set(tensor, "shape", list(shape))
     for name, value in (known or {}).items():
         tensor = tensors[name]
         tensor.dtype, tensor.shape = value.dtype, list(value.shape)
+
+
+_set = object.__setattr__  # graphsurgeon's Tensor.__setattr__ adds nothing for dtype/shape; this runs per tensor
 
 
 def _value_type(type_proto: onnx.TypeProto) -> tuple | None:
@@ -307,7 +315,9 @@ def _opset_imports(graph: gs.Graph) -> list:
     """graphsurgeon's opset imports (its `update_import_domains`), without changing `graph`."""
     imports = list(graph.import_domains or [onnx.helper.make_opsetid("", graph.opset)])
     known = {o.domain for o in imports}
-    used = {n.domain for n in graph.nodes} | {n.domain for g in graph.subgraphs(recursive=True) for n in g.nodes}
+    used = {n.domain for n in graph.nodes}
+    if not plain(graph):
+        used |= {n.domain for g in graph.subgraphs(recursive=True) for n in g.nodes}
     for domain in sorted(d for d in used - known if d is not None):
         imports.append(onnx.helper.make_opsetid(domain, 1))
     return imports

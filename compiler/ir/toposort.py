@@ -127,19 +127,20 @@ def _sorted_levels(nodes: list[gs.Node], members: set[int]) -> dict[int, int] | 
         deepest = -1
         for t in node.inputs:
             for p in t.inputs:
-                if id(p) in members:
-                    d = level.get(id(p))
-                    if d is None:
+                d = level.get(id(p))
+                if d is None:
+                    if id(p) in members:
                         return None
-                    if d > deepest:
-                        deepest = d
+                elif d > deepest:
+                    deepest = d
         level[id(node)] = deepest + 1
     return level if len(level) == len(nodes) else None  # a node listed twice: the walk lists it once
 
 
-def toposort(graph: gs.Graph) -> gs.Graph:
-    """Sort `graph.nodes` topologically (graphsurgeon's own sort for graphs with subgraphs/functions)."""
-    if not plain(graph):
+def toposort(graph: gs.Graph, simple: bool | None = None) -> gs.Graph:
+    """Sort `graph.nodes` topologically (graphsurgeon's own sort for graphs with subgraphs/functions;
+    `simple`: `plain(graph)`, when the caller knows it)."""
+    if not (plain(graph) if simple is None else simple):
         if (i := cycle_node(successors(graph))) is not None:
             raise CycleError(graph.nodes[i])
         return graph.toposort()

@@ -29,16 +29,17 @@ import onnx_graphsurgeon as gs
 import numpy as np
 
 from mtkc.errors import InternalError, MtkcError, PassError
-from mtkc.ir.graph_utils import Names, cleanup
+from mtkc.ir.graph_utils import Names, cleanup, plain
 from mtkc.ir.toposort import CycleError, toposort
 from mtkc.rewrite.pass_api import Pass
 
 
 def restore(graph: gs.Graph, pass_name: str | None = None, error: type[MtkcError] = PassError) -> None:
     """Cleanup, cycle check, toposort and node naming after a pass (None: the input model)."""
-    cleanup(graph)
+    simple = plain(graph)
+    cleanup(graph, simple=simple)
     try:
-        toposort(graph)
+        toposort(graph, simple=simple)
     except CycleError as exc:
         raise error(f"{_stage(pass_name)}: {exc}") from None
     name_nodes(graph, pass_name)
@@ -66,13 +67,28 @@ def shapes_bound(graph: gs.Graph) -> bool:
 
 
 def loose_tensors(graph: gs.Graph) -> tuple[set[str], set[str]]:
-    """(names of variables without a dtype, names of variables without a static shape)."""
+    """(names of variables without a dtype, names of variables without a static shape), over every
+    named variable the graph mentions. A node input that is a variable is a graph input, some
+    node's output or dangling, so of the inputs only those without a producer are looked at."""
     untyped, dynamic = set(), set()
-    for t in _variables(graph):
-        if t.dtype is None:
-            untyped.add(t.name)
-        if not static(t):
-            dynamic.add(t.name)
+
+    def look(t: gs.Tensor) -> None:
+        if t.name and isinstance(t, gs.Variable):
+            if t.dtype is None:
+                untyped.add(t.name)
+            if not static(t):
+                dynamic.add(t.name)
+
+    for t in graph.inputs:
+        look(t)
+    for node in graph.nodes:
+        for t in node.inputs:
+            if not t.inputs:
+                look(t)
+        for t in node.outputs:
+            look(t)
+    for t in graph.outputs:
+        look(t)
     return untyped, dynamic
 
 
@@ -108,11 +124,12 @@ def check(
 
     for t in graph.inputs:
         named(t)
-    for node in graph.nodes:
+    for node in graph.nodes:  # in topological order: a variable input was named with its producer's outputs
         for t in node.inputs:
-            if not produced(t):
+            if isinstance(t, gs.Constant):
+                named(t)
+            elif not produced(t):
                 raise error(f"{stage}: node '{node.name}' reads tensor '{t.name}', which no node, input or constant produces")
-            named(t)
         for t in node.outputs:
             named(t)
     for t in graph.outputs:
