@@ -14,12 +14,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.analysis.decoder import DecoderMap, decoder_map
 from mtkc.errors import MtkcError
-from mtkc.ir.constants import constant_of
 from mtkc.ir.model import load
 from mtkc.pipeline.registry import load_registry
 from mtkc.options import Options, of
@@ -32,7 +30,6 @@ from mtkc.target.assess import Assessment, Group
 log = logging.getLogger("mtkc")
 
 SCHEMA_VERSION = 2
-SMALL_VALUES = 64  # elements of a constant whose bytes `_verdict_inputs` compares
 SHAPE_REMEDY = "--seq-len, --cache-len, --batch or --input-shape (compile binds T=128, C=512, batch 1)"
 
 
@@ -172,7 +169,6 @@ def check(model_path, sdk: str, options: Options | dict[str, Any] | None = None,
                            quantization=quantization_state(model.graph), decoder=decoder)
     watch: set[str] = set()
     fixed: dict[str, str] = {}
-    judged: dict[str, tuple] = {}  # pending node -> what its verdict read when it was last found unsupported
 
     def track(p: Pass, graph: gs.Graph) -> None:
         pending = watch.difference(fixed)
@@ -181,16 +177,8 @@ def check(model_path, sdk: str, options: Options | dict[str, Any] | None = None,
         nodes = {n.name: n for n in graph.nodes}
         for name in sorted(pending):
             node = nodes.get(name)
-            if node is not None:
-                seen = _verdict_inputs(node, graph.opset)
-                if _same(judged.get(name), seen):
-                    continue  # unsupported still: nothing the verdict reads has changed
-                if not table.supports(node, graph.opset, model.values):
-                    if seen is not None:
-                        judged[name] = seen
-                    continue
-            fixed[name] = p.name
-            judged.pop(name, None)
+            if node is None or table.supports(node, graph.opset, model.values):
+                fixed[name] = p.name
 
     raw_model = model.copy()
     raw, unbound = raw_assessment(raw_model, table, options)
@@ -205,39 +193,6 @@ def check(model_path, sdk: str, options: Options | dict[str, Any] | None = None,
     _add_build(report, result)
     report.rewritten_by = fixed
     return report
-
-
-def _verdict_inputs(node: gs.Node, opset) -> tuple | None:
-    """Everything `Table.supports(node)` reads: the node, its op, attributes and opset; its tensors,
-    their dtypes and shapes, and the constant behind each (`constant_of`) with its values (their
-    bytes when small and loaded). Objects are held (compared by identity), not their ids, so none
-    is reused for another. None for a node with a subgraph: judged every time."""
-    tensors = (*node.inputs, *node.outputs)
-    behind = [constant_of(t) for t in tensors]
-    held = [node, *tensors, *behind, *(c._values if c is not None else None for c in behind)]
-    small = tuple(c._values.tobytes() for c in behind  # an in-place edit of a small loaded value
-                  if c is not None and isinstance(c._values, np.ndarray) and c._values.size <= SMALL_VALUES)
-    attrs = []
-    for k, v in node.attrs.items():
-        if isinstance(v, gs.Graph):
-            return None
-        if isinstance(v, gs.Tensor):  # a Tensor compares by name: hold it
-            held.append(v)
-            v = gs.Tensor
-        attrs.append((k, tuple(v) if isinstance(v, list) else v))
-    state = (opset, node.op, node.domain, tuple(attrs), small,
-             tuple((t.dtype, None if t.shape is None else tuple(t.shape)) for t in tensors))
-    return held, state
-
-
-def _same(before: tuple | None, now: tuple | None) -> bool:
-    if before is None or now is None or len(before[0]) != len(now[0]) \
-            or not all(a is b for a, b in zip(before[0], now[0])):
-        return False
-    try:
-        return bool(before[1] == now[1])
-    except (ValueError, TypeError):  # an attribute that does not compare (an array): judge again
-        return False
 
 
 def _add_build(report: CheckReport, result: Build) -> None:
