@@ -128,3 +128,34 @@ def test_cleanup_drops_unused_inputs_as_graphsurgeon():
     assert [t.name for t in mine.inputs] == [t.name for t in theirs.inputs] == ["a"]
     assert [n.name for n in mine.nodes] == [n.name for n in theirs.nodes] == ["live"]
     assert [t.name for t in gu.cleanup(build()).inputs] == ["a", "b"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_loose_tensors_sees_every_named_variable_the_graph_mentions(seed):
+    """The loose sets (`invariants.loose_tensors`, which looks at node inputs only where they have no
+    producer) are those of every named variable among the graph inputs, node inputs and outputs and
+    graph outputs: here with untyped and symbolic tensors, a constant, a dangling input, a tensor
+    whose producer left the graph, and one name two tensors share."""
+    from mtkc.manager.invariants import check, loose_tensors
+
+    rng = np.random.default_rng(seed)
+    graph = _random_dag(seed)
+    for t in [*graph.inputs, *(o for n in graph.nodes for o in n.outputs)]:
+        t.dtype = None if rng.random() < 0.3 else t.dtype
+        t.shape = ["s", 2] if rng.random() < 0.3 else t.shape
+    dangling = gs.Variable("dangling", None, ["d"])
+    orphan_out = gs.Variable("orphan_out", None, None)
+    gs.Node("Relu", "gone", inputs=[graph.inputs[0]], outputs=[orphan_out])  # its producer is in no graph
+    twin = gs.Variable(graph.nodes[0].outputs[0].name, None, None)
+    graph.nodes.append(gs.Node("Sum", "reader", inputs=[dangling, orphan_out, twin, gs.Constant("c", np.ones(2))],
+                               outputs=[gs.Variable("r", np.float32, [2])]))
+    mentioned = [*graph.inputs, *(t for n in graph.nodes for t in (*n.inputs, *n.outputs)), *graph.outputs]
+    variables = [t for t in mentioned if t.name and isinstance(t, gs.Variable)]
+    untyped = {t.name for t in variables if t.dtype is None}
+    dynamic = {t.name for t in variables if t.shape is None or not all(isinstance(d, int) and d >= 0 for d in t.shape)}
+    found = loose_tensors(graph)
+    assert {"dangling", twin.name} <= found[0]
+    # the one it leaves out: an input whose producer left the graph, which `invariants.check` names as dangling
+    assert found == (untyped - {"orphan_out"}, dynamic - {"orphan_out"})
+    with pytest.raises(PassError, match="node 'reader' reads tensor 'dangling'"):
+        check(graph, "p")

@@ -36,10 +36,10 @@ from mtkc.rewrite.pass_api import Pass
 
 def restore(graph: gs.Graph, pass_name: str | None = None, error: type[MtkcError] = PassError) -> None:
     """Cleanup, cycle check, toposort and node naming after a pass (None: the input model)."""
-    simple = plain(graph)
+    simple = plain(graph)  # a plain graph stays plain; another may lose its subgraphs in cleanup
     cleanup(graph, simple=simple)
     try:
-        toposort(graph, simple=simple)
+        toposort(graph, simple=simple or None)
     except CycleError as exc:
         raise error(f"{_stage(pass_name)}: {exc}") from None
     name_nodes(graph, pass_name)
