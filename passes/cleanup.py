@@ -119,7 +119,7 @@ def remove_noops(graph: gs.Graph, ctx: Context) -> int:
         if not node.outputs or id(node.outputs[0]) in inputs:
             continue
         is_output = id(node.outputs[0]) in outputs
-        if is_noop(node, ctx) and not (is_output and not gu.renamable(graph, node.outputs[0], node.inputs[0])):
+        if is_noop(node, ctx) and (not is_output or gu.renamable(graph, node.outputs[0], node.inputs[0])):
             gu.bypass(graph, node)
             n += 1
             if is_output:

@@ -223,9 +223,9 @@ def test_check_table_fits_the_terminal_and_remedies_have_one_style(exported):
 
 
 def test_rewritten_by_names_a_pass_that_edits_a_node_in_place(tmp_path):
-    """check judges an unsupported node again when anything its verdict reads has changed, an
-    attribute edited in place included: the Softmax over axis 1 (not the last, as SDK 6.0 needs)
-    stays after `cleanup` and is fixed by the plugin that sets its axis."""
+    """check's tracker sees a fix that keeps the node object and only edits its attribute (a guard
+    for any tracker that skips nodes it thinks unchanged): the Softmax over axis 1 (not the last,
+    as SDK 6.0 needs) stays after `cleanup` and is fixed by the plugin that sets its axis."""
     from pathlib import Path
 
     import onnx
