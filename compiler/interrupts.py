@@ -21,10 +21,12 @@ host's business: nothing is stopped.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import select
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -36,6 +38,8 @@ from mtkc.display import escape
 
 GRACE = 0.8  # seconds between a stop and the exit that follows if the main thread is still stuck
 STAGES: set[Path] = set()  # staging folders being written (`mtkc.backend.staging`)
+_PR_SET_PDEATHSIG = 1
+_PRCTL = getattr(ctypes.CDLL(None), "prctl", None) if sys.platform.startswith("linux") else None
 GROUPS: set[int] = set()  # child process groups running now (`mtkc.backend.handoff`)
 
 
@@ -187,3 +191,28 @@ def hard_exit(code: int, line: str) -> None:
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
     os._exit(code)
+
+
+def die_with(parent: int):
+    """A `preexec_fn` for a child mtkc starts (Linux): SIGKILL when mtkc dies, even by SIGKILL
+    (PR_SET_PDEATHSIG; what the child itself starts is killed with its group on every other way out)."""
+    if _PRCTL is None:
+        return None
+
+    def preexec() -> None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # mtkc died before the call above took effect
+            os._exit(137)
+
+    return preexec
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group of `proc` (a child in its own session, and anything it started), reap it
+    and forget it (GROUPS)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+    GROUPS.discard(proc.pid)

@@ -24,7 +24,6 @@ Logs: OUT/logs/<graph>.<partition>.log; outputs: OUT/dla/.
 from __future__ import annotations
 
 import collections
-import ctypes
 import importlib.util
 import json
 import os
@@ -32,7 +31,6 @@ import re
 import select
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -47,7 +45,7 @@ from mtkc.ir.outdir import PLAIN_NAME
 from mtkc.backend.partition import Partition
 from mtkc.backend.stitch import boundaries
 from mtkc.errors import ConverterError, InputError
-from mtkc.interrupts import GROUPS
+from mtkc.interrupts import GROUPS, die_with, kill_group
 from mtkc.ir.model import load
 
 PLACEHOLDERS = ("input", "output", "arch", "sdk", "input_names", "input_names_json", "input_shapes", "onnx", "tflite",
@@ -59,8 +57,6 @@ PYTHON_MARK = "@MTKC_PYTHON@"  # {python}: mtkc's interpreter when mtkc runs a s
 MAX_BISECT_RUNS = 12  # 2**12 nodes pinned to one
 DEFAULT_TIMEOUT = 4 * 3600.0  # seconds per converter run; a real 7B partition takes minutes
 LOG_HEAD = LOG_TAIL = 64 << 10  # bytes of converter output kept from its start and its end
-_PR_SET_PDEATHSIG = 1
-_PRCTL = getattr(ctypes.CDLL(None), "prctl", None) if sys.platform.startswith("linux") else None
 ERROR_LINE = re.compile(r"error|unsupport|not support|fail|fallback|invalid", re.IGNORECASE)
 
 # MediaTek's Python API, run in a child process so a crash in it cannot take mtkc down.
@@ -322,7 +318,7 @@ def _run_bounded(argv: list[str], cwd: Path, timeout: float) -> tuple[int | None
     killed before this returns or raises, so no converter process outlives mtkc.
     """
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            cwd=cwd, start_new_session=True, preexec_fn=_die_with(os.getpid()))
+                            cwd=cwd, start_new_session=True, preexec_fn=die_with(os.getpid()))
     GROUPS.add(proc.pid)
     log = _BoundedLog()
     deadline = time.monotonic() + timeout
@@ -349,32 +345,8 @@ def _run_bounded(argv: list[str], cwd: Path, timeout: float) -> tuple[int | None
             return None, log.text()
         return code, log.text()
     finally:
-        _kill_group(proc)
+        kill_group(proc)
         proc.stdout.close()
-
-
-def _die_with(parent: int):
-    """In the child before exec (Linux): SIGKILL when mtkc dies, even by SIGKILL (PR_SET_PDEATHSIG;
-    what the converter itself starts is killed with its group on every other way out)."""
-    if _PRCTL is None:
-        return None
-
-    def preexec() -> None:
-        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # mtkc died before the call above took effect
-            os._exit(137)
-
-    return preexec
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the process group of `proc` (the converter and anything it started) and reap it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
-    GROUPS.discard(proc.pid)
 
 
 class _BoundedLog:

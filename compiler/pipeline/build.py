@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import onnx_graphsurgeon as gs
 
@@ -36,6 +36,9 @@ from mtkc.rewrite.pass_api import Context, Pass
 from mtkc.target.assess import Assessment, assess
 from mtkc.target.capability import Table
 
+if TYPE_CHECKING:
+    from mtkc.pipeline.worker import Worker
+
 log = logging.getLogger("mtkc")
 
 LLM_DEFAULTS = {"seq_len": 128, "cache_len": 512, "batch": 1}  # MediaTek's LLM convention (prefill T, cache C)
@@ -53,17 +56,12 @@ class Compiled:
 
 
 @dataclass
-class GraphVariant:
-    """One graph to write (`model`, or `prefill`/`decode`), and its partitions."""
+class Placement:
+    """Where one graph's nodes run (`model`, or `prefill`/`decode`): what `check` reports of it."""
 
     name: str
-    graph: gs.Graph
-    compiled: Compiled
-    split: Split
-
-    @property
-    def partitions(self) -> list[dict]:
-        return self.split.entries
+    partitions: list[dict]  # the manifest's partition entries
+    coverage: float | None  # after the passes (None: the table gives no verdicts, e.g. a stand-in)
 
     @property
     def cpu_nodes(self) -> int:
@@ -75,9 +73,18 @@ class GraphVariant:
 
 
 @dataclass
+class GraphVariant(Placement):
+    """One graph to write, its pipeline run and its partitions."""
+
+    graph: gs.Graph
+    compiled: Compiled
+    split: Split
+
+
+@dataclass
 class Build:
     options: Options  # as used: defaults bound, choices picked
-    variants: list[GraphVariant]
+    variants: list[Placement]  # GraphVariants, but for graphs a `Worker` built (check)
     raw: Assessment | None = None  # the input's verdicts (None for a stand-in table)
     unbound: list[str] = field(default_factory=list)  # input dims the user's options left symbolic
     bound: dict[str, int] = field(default_factory=dict)  # options set to LLM_DEFAULTS
@@ -87,29 +94,41 @@ class Build:
 
 
 def build(model: Model, options: Options, table, observe: Callable[[Pass, gs.Graph], None] | None = None,
-          raw: bool = True, suggest: bool = False, decoder: DecoderMap | None = None) -> Build:
+          raw: bool = True, suggest: bool = False, decoder: DecoderMap | None = None,
+          ahead: Worker | None = None) -> Build:
     """Everything compile decides for `model` (its graph is the first variant's, rewritten in place).
 
     `observe(pass, graph)` runs after every pass of the first graph (`run_pipeline`). `suggest`:
     also try the other value of a choice the user made, and say when it places better (`check`).
-    `decoder`: the input's DecoderMap, when the caller has it.
+    `decoder`: the input's DecoderMap, when the caller has it. `ahead`: a `Worker` building the
+    graphs after the first from the input's file meanwhile (their placements only: `check`).
     """
     result = Build(options, [], decoder=decoder or decoder_map(model.graph))
     if raw and isinstance(table, Table):
         result.raw, result.unbound = raw_assessment(model.copy(), table, options)
-    binds = options.passes is None or "bind-shapes" in options.passes
-    if binds and "bind-shapes" not in options.skip_passes:
-        result.bound = llm_defaults(model.graph, options, result.decoder)
-    options = result.options = options.replace(**result.bound)
-    plan = plan_variants(model.graph, options, result.decoder)
-    first, *rest = plan
-    spare = model.copy() if rest else None  # the input's graph, copied before a pass touches it
+    result.bound, options, (first, *rest) = plan_graphs(model.graph, options, result.decoder)
+    result.options = options
+    spare = model.copy() if rest and ahead is None else None  # the input's graph, copied before a pass touches it
     result.variants.append(_best_first(model, first.name, options.replace(**first.options), table, observe, result,
                                        suggest))
+    placed = ahead.collect(result.options.rope_mode) if ahead is not None else None
+    if placed is not None:
+        result.variants += placed
+        return result
+    spare = spare or (model.fresh() if rest else None)
     for i, variant in enumerate(rest, 1):  # with the choices made on the first graph
         start = spare if i == len(rest) else spare.copy()
-        result.variants.append(_variant(start, variant.name, result.options.replace(**variant.options), table, None))
+        result.variants.append(build_graph(start, variant.name, result.options.replace(**variant.options), table, None))
     return result
+
+
+def plan_graphs(graph: gs.Graph, options: Options, dm: DecoderMap) -> tuple[dict[str, int], Options, list]:
+    """The LLM defaults bound (`llm_defaults`), the options with them, and the graphs to write
+    (`mtkc.passes.kv_cache.variants`), for the input's `graph`."""
+    binds = options.passes is None or "bind-shapes" in options.passes
+    bound = llm_defaults(graph, options, dm) if binds and "bind-shapes" not in options.skip_passes else {}
+    options = options.replace(**bound)
+    return bound, options, plan_variants(graph, options, dm)
 
 
 def _best_first(model: Model, name: str, options: Options, table, observe, result: Build,
@@ -117,7 +136,7 @@ def _best_first(model: Model, name: str, options: Options, table, observe, resul
     """The first graph, with `rope_mode` as the rope pass left it: given, or picked when open
     (`mtkc.passes.rope_tables`); with `suggest`, the mode that would place better than the one given."""
     given = options.rope_mode
-    first = _variant(model, name, options, table, observe)
+    first = build_graph(model, name, options, table, observe)
     rope = next((p for p in first.compiled.pipeline.passes if p.name == "rope"), None)
     mode = rope.mode if rope is not None else "table"
     result.options = result.options.replace(rope_mode=given or mode)
@@ -130,14 +149,15 @@ def _best_first(model: Model, name: str, options: Options, table, observe, resul
     return first
 
 
-def _variant(model: Model, name: str, options: Options, table, observe) -> GraphVariant:
+def build_graph(model: Model, name: str, options: Options, table, observe) -> GraphVariant:
+    """One graph: `model.graph` through the pipeline (in place), then cut into partitions."""
     compiled = compile_graph(model, options, table, observe, label=name)
     for record in compiled.records:
         record.graph = name
     graph = model.graph
     verdict = lambda n: table.verdict(n, graph.opset, model.values)  # noqa: E731
-    return GraphVariant(name, graph, compiled,
-                        split(graph, name, verdict, options.min_partition_nodes, options.force_cpu, options.force_npu))
+    parts = split(graph, name, verdict, options.min_partition_nodes, options.force_cpu, options.force_npu)
+    return GraphVariant(name, parts.entries, compiled.coverage, graph, compiled, parts)
 
 
 def compile_graph(model: Model, options: Options, table, observe=None, label: str = "model") -> Compiled:

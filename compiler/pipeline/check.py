@@ -22,7 +22,8 @@ from mtkc.ir.model import load
 from mtkc.pipeline.registry import load_registry
 from mtkc.options import Options, of
 from mtkc.passes.qdq import quantization_state
-from mtkc.pipeline.build import Build, build, raw_assessment
+from mtkc.pipeline.build import Build, build, plan_graphs, raw_assessment
+from mtkc.pipeline.worker import Worker
 from mtkc.rewrite.pass_api import Pass
 from mtkc.target import capability
 from mtkc.target.assess import Assessment, Group
@@ -145,11 +146,13 @@ def _verdict(largest: int, nodes: int, cpu_nodes: int) -> str:
 
 
 def check(model_path, sdk: str, options: Options | dict[str, Any] | None = None, compiled: bool = True,
-          **values: Any) -> CheckReport:
+          jobs: int | None = None, **values: Any) -> CheckReport:
     """Judge the model at `model_path` for NeuroPilot `sdk` (see the module docstring).
 
     `options`: compile's options (typed, or a dict validated like the CLI's); keyword `values`
     are added to them (`check(m, "8.0", seq_len=8)`). `compiled=False`: only the raw verdicts.
+    `jobs`: processes for compile's graphs (1: this one; 2: the graphs after the first in a child,
+    `mtkc.pipeline.worker`; None: 2 for a big graph on a machine with 2 CPUs). Same report either way.
     Plugins and pass names are checked before the model is read.
     """
     options = of(options)
@@ -180,19 +183,35 @@ def check(model_path, sdk: str, options: Options | dict[str, Any] | None = None,
             if node is None or table.supports(node, graph.opset, model.values):
                 fixed[name] = p.name
 
-    raw_model = model.copy()
-    raw, unbound = raw_assessment(raw_model, table, options)
-    watch.update(n for g in raw.groups for n in g.nodes)
-    report = CheckReport(table.version, table.arch, str(model_path), raw, unbound,
-                         quantization=quantization_state(raw_model.graph), decoder=decoder)
+    worker = _worker(model, options, table, decoder, jobs)
     try:
-        result = build(model, options, table, observe=track, raw=False, suggest=True, decoder=decoder)
-    except MtkcError as exc:  # the raw verdicts still stand; say why compile's outcome is missing
-        log.warning("mtkc: compile would stop: %s; the verdict below is the input's", exc)
-        return report
+        raw_model = model.copy()
+        raw, unbound = raw_assessment(raw_model, table, options)
+        watch.update(n for g in raw.groups for n in g.nodes)
+        report = CheckReport(table.version, table.arch, str(model_path), raw, unbound,
+                             quantization=quantization_state(raw_model.graph), decoder=decoder)
+        try:
+            result = build(model, options, table, observe=track, raw=False, suggest=True, decoder=decoder, ahead=worker)
+        except MtkcError as exc:  # the raw verdicts still stand; say why compile's outcome is missing
+            log.warning("mtkc: compile would stop: %s; the verdict below is the input's", exc)
+            return report
+    finally:
+        if worker is not None:
+            worker.close()
     _add_build(report, result)
     report.rewritten_by = fixed
     return report
+
+
+def _worker(model, options: Options, table, decoder: DecoderMap, jobs: int | None) -> Worker | None:
+    """A worker building compile's graphs after the first (`mtkc.pipeline.worker`), started before
+    the raw verdicts; None when there are none, it would not pay, or planning fails (`build` then
+    fails the same way, reported as compile's outcome)."""
+    try:
+        _, planned, (_, *rest) = plan_graphs(model.graph, options, decoder)
+    except MtkcError:
+        return None
+    return Worker.start(model, planned, rest, table, jobs)
 
 
 def _add_build(report: CheckReport, result: Build) -> None:
@@ -202,7 +221,7 @@ def _add_build(report: CheckReport, result: Build) -> None:
         report.graphs.append(GraphSummary(v.name, nodes, v.cpu_nodes, len(v.partitions), len(npu), v.largest_npu))
         report.on_cpu += [{"graph": v.name, "node": node, "reason": reason}
                           for p in v.partitions for node, reason in p.get("cpu_reasons", {}).items()]
-    known = [v.compiled.coverage for v in result.variants if v.compiled.coverage is not None]
+    known = [v.coverage for v in result.variants if v.coverage is not None]
     report.coverage_compiled = min(known) if known else None
     report.bound = dict(result.bound)
     report.picked = dict(result.picked)
