@@ -1,5 +1,6 @@
 """Hostile cases that need a real process: Ctrl-C into a plugin stuck in a loop, SIGTERM while
-the converter runs. Exit 130, nothing left behind (no OUT, no staging, no converter process)."""
+the converter runs, check killed while its worker builds decode. Exit 130, nothing left behind (no
+OUT, no staging, no converter or worker process)."""
 
 from __future__ import annotations
 
@@ -93,3 +94,41 @@ def test_a_signal_during_conversion_kills_the_converter_and_cleans_the_staging(t
     time.sleep(0.2)
     assert not _alive(converter_pid)  # no orphaned converter
     assert sorted(p.name for p in tmp_path.iterdir()) == ["conv.py", "converter.pid", "m.onnx"]  # no OUT, no staging
+
+
+def _worker_of(parent: int, timeout: float = 60) -> int:
+    """The pid of `mtkc.pipeline.worker` started by `parent`, once it runs."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for entry in Path("/proc").iterdir():
+            try:
+                stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes()
+            except (OSError, ValueError):
+                continue
+            if b"mtkc.pipeline.worker" in cmdline and int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+                return int(entry.name)
+        time.sleep(0.01)
+    raise AssertionError("check never started its worker")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_check_s_worker_ends_with_it(tmp_path, exported, sig):
+    """`check --jobs 2` killed (SIGTERM: exit 130; SIGKILL: the kernel's PDEATHSIG) leaves no worker."""
+    proc = _start(["check", exported("qwen2", "legacy17", cache=True), "--sdk", "8.0", "--jobs", "2"], tmp_path)
+    child = _worker_of(proc.pid)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == (130 if sig == signal.SIGTERM else -signal.SIGKILL), err
+    end = time.monotonic() + 5
+    while _running(child) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not _running(child) and os.listdir(tmp_path) == []
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (its new parent may be an init that does not reap)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
