@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
     p.add_argument("-o", "--output", metavar="FILE", help="write the report to FILE instead of stdout")
     p.add_argument("-j", "--jobs", type=_jobs, metavar="N",
                    help="processes for compile's graphs: 1, or 2 to build decode beside prefill "
-                        "(default: 2 for a graph of 20k nodes or more on 2+ CPUs); the report is the same")
+                        "(default: 2 for a graph of 5000 nodes or more on 2+ CPUs); the report is the same")
     options.add_common(p)
     p.set_defaults(func=run)
 

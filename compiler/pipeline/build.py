@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import onnx_graphsurgeon as gs
 
@@ -35,9 +35,6 @@ from mtkc.passes.kv_cache import variants as plan_variants
 from mtkc.rewrite.pass_api import Context, Pass
 from mtkc.target.assess import Assessment, assess
 from mtkc.target.capability import Table
-
-if TYPE_CHECKING:
-    from mtkc.pipeline.worker import Worker
 
 log = logging.getLogger("mtkc")
 
@@ -81,10 +78,17 @@ class GraphVariant(Placement):
     split: Split
 
 
+class Ahead(Protocol):
+    """The graphs after the first, built elsewhere: their placements once the first graph chose its
+    rope mode, or None when this process must build them."""
+
+    def collect(self, rope_mode: str | None) -> list[Placement] | None: ...
+
+
 @dataclass
 class Build:
     options: Options  # as used: defaults bound, choices picked
-    variants: list[Placement]  # GraphVariants, but for graphs a `Worker` built (check)
+    variants: list[Placement]  # GraphVariants, but for graphs built elsewhere (`Ahead`)
     raw: Assessment | None = None  # the input's verdicts (None for a stand-in table)
     unbound: list[str] = field(default_factory=list)  # input dims the user's options left symbolic
     bound: dict[str, int] = field(default_factory=dict)  # options set to LLM_DEFAULTS
@@ -95,13 +99,13 @@ class Build:
 
 def build(model: Model, options: Options, table, observe: Callable[[Pass, gs.Graph], None] | None = None,
           raw: bool = True, suggest: bool = False, decoder: DecoderMap | None = None,
-          ahead: Worker | None = None) -> Build:
+          ahead: Ahead | None = None) -> Build:
     """Everything compile decides for `model` (its graph is the first variant's, rewritten in place).
 
     `observe(pass, graph)` runs after every pass of the first graph (`run_pipeline`). `suggest`:
     also try the other value of a choice the user made, and say when it places better (`check`).
-    `decoder`: the input's DecoderMap, when the caller has it. `ahead`: a `Worker` building the
-    graphs after the first from the input's file meanwhile (their placements only: `check`).
+    `decoder`: the input's DecoderMap, when the caller has it. `ahead`: the graphs after the first,
+    built meanwhile elsewhere (their placements only: `check`'s `mtkc.pipeline.worker`).
     """
     result = Build(options, [], decoder=decoder or decoder_map(model.graph))
     if raw and isinstance(table, Table):

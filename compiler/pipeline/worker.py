@@ -44,7 +44,7 @@ from mtkc.target.model import Table
 log = logging.getLogger("mtkc")
 
 COMMAND = [sys.executable, "-m", "mtkc.pipeline.worker"]
-MIN_NODES = 20_000  # below this the child's start and load cost more than the graphs it builds
+MIN_NODES = 5_000  # measured: 618 nodes +0.5 s with a child, 6184 nodes (0.5B, 24 layers) -0.9 s
 ERRORS = {c.__name__: c for c in (errors.InputError, errors.PassError, errors.InternalError)}
 
 
