@@ -70,8 +70,8 @@ def test_two_jobs_report_the_same_bytes(capsys, exported, built_here, family, ex
 
 
 def test_the_parent_builds_what_the_child_cannot_give(capsys, exported, built_here, monkeypatch):
-    """Another rope mode than the first graph's, a child that dies, one that prints garbage: the
-    same report, every graph built here."""
+    """Another rope mode than the first graph's, a child that dies, one that prints garbage or JSON
+    that is no answer: the same report, every graph built here."""
     model = exported("qwen2", "legacy17", cache=True)
     alone = run(capsys, model, "8.0", "--jobs", "1")
     collect = W.Worker.collect
@@ -79,6 +79,7 @@ def test_the_parent_builds_what_the_child_cannot_give(capsys, exported, built_he
         "other mode": None,
         "dies": [sys.executable, "-c", "import sys; sys.exit(3)"],
         "garbage": [sys.executable, "-c", "import sys; sys.stdin.read(); print('{\"graphs\": ')"],
+        "not an answer": [sys.executable, "-c", "import sys; sys.stdin.read(); print('{\"graphs\": [{}]}')"],
     }
     for why, command in children.items():
         if command is None:

@@ -63,8 +63,8 @@ class Worker:
     def start(cls, model: Model, options: Options, variants: list, table, jobs: int | None = None) -> Worker | None:
         """A worker for `variants` (the plan's graphs after the first, `options` with the LLM defaults
         bound); None when it would not pay (module docstring) or `jobs` is 1. `jobs` None: by size."""
-        wanted = jobs is None and len(model.graph.nodes) >= MIN_NODES and cpus() >= 2
-        if not variants or _user_code(options) or not (wanted or (jobs or 1) >= 2) or not _catalog(table):
+        wanted = len(model.graph.nodes) >= MIN_NODES and cpus() >= 2 if jobs is None else jobs >= 2
+        if not variants or not wanted or _user_code(options) or not _catalog(table):
             return None
         job = {"model": str(model.path), "sdk": table.version, "arch": table.arch, "options": options.to_json(),
                "variants": [{"name": v.name, "options": v.options} for v in variants],
@@ -89,17 +89,20 @@ class Worker:
             self.close()
         try:
             answer = json.loads(out)
-        except ValueError:
-            answer = None
-        if answer is None or answer["fingerprint"] != self.fingerprint or any(
-                g["rope_mode"] not in (None, rope_mode) for g in answer["graphs"]):
+            graphs = [(Placement(g["name"], g["partitions"], g["coverage"]), g["rope_mode"]) for g in answer["graphs"]]
+            error = None if answer["error"] is None else ERRORS[answer["error"]["type"]](answer["error"]["message"])
+            records = [logging.makeLogRecord(r) for r in answer["logs"]]
+            taken = answer["fingerprint"] == self.fingerprint and all(m in (None, rope_mode) for _, m in graphs)
+        except (ValueError, KeyError, TypeError):  # not an answer: the child died while writing it
+            taken = False
+        if not taken:
             log.debug("mtkc: the worker's graphs are not taken (exit %s); building them here", self.proc.returncode)
             return None
-        for record in answer["logs"]:
-            log.handle(logging.makeLogRecord(record))
-        if answer["error"] is not None:
-            raise ERRORS[answer["error"]["type"]](answer["error"]["message"])
-        return [Placement(g["name"], g["partitions"], g["coverage"]) for g in answer["graphs"]]
+        for record in records:
+            log.handle(record)
+        if error is not None:
+            raise error
+        return [placement for placement, _ in graphs]
 
     def close(self) -> None:
         """Kill the child's group and reap it (once: a reaped pid may be another process's)."""
@@ -178,4 +181,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # the answer is out: not a second spent freeing the graphs
