@@ -186,15 +186,20 @@ def test_staged_removes_staging_of_dead_processes_only(tmp_path):
 
 
 def test_a_command_sweeps_the_collector_less_and_restores_its_thresholds(monkeypatch):
-    """While a command runs the young-generation threshold is `GC_YOUNG`; after it (also after an
-    error) the host's thresholds are back: mtkc as a library or under pytest is left as it was."""
+    """While a command runs the young-generation threshold is `GC_YOUNG`, and check and compile run
+    without automatic collection; after it (also after an error) the host's settings are back: mtkc
+    as a library or under pytest is left as it was."""
     import gc
 
     from mtkc import cli
-    from mtkc.commands import sdks
+    from mtkc.commands import check, sdks
 
     before, during = gc.get_threshold(), []
-    monkeypatch.setattr(sdks, "run", lambda args: during.append(gc.get_threshold()) or 0)
-    assert main(["sdks"]) == 0 and during == [(cli.GC_YOUNG, *before[1:])]
+    monkeypatch.setattr(sdks, "run", lambda args: during.append((gc.get_threshold(), gc.isenabled())) or 0)
+    assert main(["sdks"]) == 0 and during == [((cli.GC_YOUNG, *before[1:]), True)]
+    monkeypatch.setattr(check, "run", lambda args: during.append(gc.isenabled()) or 0)
+    assert main(["check", "m.onnx", "--sdk", "8.0"]) == 0 and during[-1] is False and gc.isenabled()
     monkeypatch.setattr(sdks, "run", lambda args: (_ for _ in ()).throw(InputError("bad")))
     assert main(["sdks"]) == 2 and gc.get_threshold() == before
+    monkeypatch.setattr(check, "run", lambda args: (_ for _ in ()).throw(InputError("bad")))
+    assert main(["check", "m.onnx", "--sdk", "8.0"]) == 2 and gc.isenabled() and gc.get_threshold() == before

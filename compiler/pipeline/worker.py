@@ -23,6 +23,7 @@ under MIN_NODES (starting a child costs more than the graph).
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -170,6 +171,7 @@ def _answer(job: dict, records: _Records) -> dict:
 def main() -> int:
     """The child: a job on stdin, its answer on stdout (exit 1 on anything else, the parent then
     builds the graphs itself)."""
+    gc.disable()  # as the parent's check (`mtkc.cli.collector`)
     job = json.loads(sys.stdin.buffer.read())
     records = _Records()
     log.handlers[:], log.propagate = [records], False
