@@ -284,12 +284,13 @@ def run_pipeline(
     ctx: Context,
     verify_each: bool = False,
     seed: int = 0,
-    observe: Callable[[Pass, gs.Graph], None] | None = None,
+    observe: Callable[[Pass, gs.Graph, bool], None] | None = None,
 ) -> list[PassRecord]:
     """Run the passes in place on `graph`; restore/check invariants after each; return stats.
 
-    `observe(pass, graph)` is called after each pass (invariants restored), e.g. to track nodes;
-    it must not change the graph.
+    `observe(pass, graph, touched)` is called after each pass (invariants restored), e.g. to track
+    nodes; it must not change the graph. `touched` is False when the graph is as the pass found it:
+    a built-in pass that rewrote nothing, kept every node and typed no tensor.
     """
     invariants.restore(graph, None, InputError)
     invariants.check(graph, None, error=InputError)
@@ -317,8 +318,10 @@ def run_pipeline(
             invariants.check(graph, p.name, loose, loose_now=after)
             contract = invariants.check_io(graph, p, contract)  # undeclared I/O change -> PassError (the
             invariants.check_dtypes(graph, p)                   # cause of a dtype mix it would also leave)
+            touched = True
         else:  # a built-in pass that rewrote nothing kept the nodes as they were (it may have typed tensors)
-            after = invariants.loose_tensors(graph) if invariants.shapes_bound(graph) else None
+            after = invariants.loose_tensors(graph)  # what the next pass starts from (`loose`) in any case
+            touched = after != loose
             contract = invariants.check_io(graph, p, contract)
         record = PassRecord(
             p.name, p.origin, result.rewrites, nodes_before, len(graph.nodes),
@@ -333,7 +336,7 @@ def run_pipeline(
         if verifier is not None:
             verifier.after(p, graph, result.changed)
         if observe is not None:
-            observe(p, graph)
+            observe(p, graph, touched)
     return records
 
 

@@ -97,12 +97,12 @@ class Build:
     decoder: DecoderMap | None = None  # the input's decoder layers (`mtkc.analysis.decoder`)
 
 
-def build(model: Model, options: Options, table, observe: Callable[[Pass, gs.Graph], None] | None = None,
+def build(model: Model, options: Options, table, observe: Callable[[Pass, gs.Graph, bool], None] | None = None,
           raw: bool = True, suggest: bool = False, decoder: DecoderMap | None = None,
           ahead: Ahead | None = None) -> Build:
     """Everything compile decides for `model` (its graph is the first variant's, rewritten in place).
 
-    `observe(pass, graph)` runs after every pass of the first graph (`run_pipeline`). `suggest`:
+    `observe(pass, graph, touched)` runs after every pass of the first graph (`run_pipeline`). `suggest`:
     also try the other value of a choice the user made, and say when it places better (`check`).
     `decoder`: the input's DecoderMap, when the caller has it. `ahead`: the graphs after the first,
     built meanwhile elsewhere (their placements only: `check`'s `mtkc.pipeline.worker`).
@@ -172,10 +172,10 @@ def compile_graph(model: Model, options: Options, table, observe=None, label: st
     pipeline = resolve_pipeline(registry, ctx, options.passes, options.skip_passes)
     count("pipeline runs")
     with Progress(f"{label}: pass", total=len(pipeline.passes)) as progress:
-        def step(p: Pass, graph: gs.Graph) -> None:
+        def step(p: Pass, graph: gs.Graph, touched: bool) -> None:
             progress.advance()
             if observe is not None:
-                observe(p, graph)
+                observe(p, graph, touched)
 
         records = run_pipeline(model.graph, pipeline, ctx, verify_each=options.verify_each, observe=step)
     if any(p.name == "bind-shapes" for p in pipeline.passes):

@@ -173,10 +173,14 @@ def check(model_path, sdk: str, options: Options | dict[str, Any] | None = None,
     watch: set[str] = set()
     fixed: dict[str, str] = {}
 
-    def track(p: Pass, graph: gs.Graph) -> None:
+    first = True  # the first pass's graph is judged whatever it did: the input's verdicts had dims bound
+
+    def track(p: Pass, graph: gs.Graph, touched: bool) -> None:
+        nonlocal first
         pending = watch.difference(fixed)
-        if not pending:  # every unsupported node of the input is fixed already
+        if not pending or not (first or touched):  # all fixed, or the verdicts stand as after the pass before
             return
+        first = False
         nodes = {n.name: n for n in graph.nodes}
         for name in sorted(pending):
             node = nodes.get(name)
