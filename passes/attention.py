@@ -96,8 +96,11 @@ class RowGuard(Rule):
     def candidate(self, node):
         return guarded(node) is not None
 
+    def start(self, graph, ctx):
+        self.outputs = {id(t) for t in graph.outputs}  # no rewrite of this rule touches them (see `done`)
+
     def done(self, ctx, m):
-        return any(o is m["node"].outputs[0] for o in m.graph.outputs)  # kept: it names a graph output
+        return id(m["node"].outputs[0]) in self.outputs  # kept: it names a graph output
 
     def rewrite(self, op, ctx, m):
         return [(m["node"].outputs[0], guarded(m["node"]))]

@@ -120,10 +120,8 @@ def remove_noops(graph: gs.Graph, ctx: Context) -> int:
             continue
         is_output = id(node.outputs[0]) in outputs
         if is_noop(node, ctx) and (not is_output or gu.renamable(graph, node.outputs[0], node.inputs[0])):
-            gu.bypass(graph, node)
+            gu.bypass(graph, node, outputs=outputs)  # which gives an output to another tensor in `outputs` too
             n += 1
-            if is_output:
-                outputs = {id(t) for t in graph.outputs}  # bypass gave the output to another tensor
     return n
 
 

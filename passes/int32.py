@@ -170,12 +170,12 @@ def _restore_int64_slots(graph: gs.Graph, names: gu.Names, misses: list[Miss]) -
 
 def _drop_noop_casts(graph: gs.Graph) -> int:
     n = 0
-    inputs = {id(t) for t in graph.inputs}
+    inputs, outputs = {id(t) for t in graph.inputs}, {id(t) for t in graph.outputs}
     for node in list(graph.nodes):
         if node.op == "Cast" and node.outputs and id(node.outputs[0]) not in inputs:
             src = gu.dtype_of(node.inputs[0])
             if src is not None and src == onnx.helper.tensor_dtype_to_np_dtype(node.attrs["to"]):
-                gu.bypass(graph, node)
+                gu.bypass(graph, node, outputs=outputs)
                 n += 1
     return n
 

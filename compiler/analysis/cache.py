@@ -76,7 +76,7 @@ def find_caches(graph: gs.Graph, dm: DecoderMap | None = None) -> list[LayerCach
         if tensor.shape is not None and len(tensor.shape) != 4:
             continue
         concat = cache_concat(tensor)
-        if concat is None or present_of(concat, graph.outputs) is None:
+        if concat is None or present_of(concat, outputs) is None:
             _refuse_cropped(dm, tensor, outputs)
             continue
         index, kind = claimed.get(tensor.name, (None, None))

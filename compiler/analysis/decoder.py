@@ -154,10 +154,10 @@ class DecoderMap:
         """{export's name: contract name} of the cache inputs, presents and logits, for the layers whose
         cache is `Concat(past, new, axis 2)` into a graph output (what `kv-cache` names; verify pairs
         an export's own I/O with the compiled graph's by it)."""
-        names = {}
+        names, outputs = {}, {id(t) for t in graph.outputs}
         for layer in self.layers:
             concats = {k: layer.nodes.get(layer.cache.get(k)) for k in ("key", "value")}
-            presents = {k: present_of(c, graph.outputs) for k, c in concats.items() if c is not None and c.op == "Concat"}
+            presents = {k: present_of(c, outputs) for k, c in concats.items() if c is not None and c.op == "Concat"}
             if len(presents) != 2 or any(p is None for p in presents.values()) or set(layer.past) != {"key", "value"}:
                 continue
             for kind, present in presents.items():
@@ -169,12 +169,12 @@ class DecoderMap:
         return names
 
 
-def present_of(concat: gs.Node, outputs: list[gs.Tensor]) -> gs.Tensor | None:
-    """The graph output a cache Concat's result is: itself, or its QuantizeLinear -> DequantizeLinear
-    (a QDQ model)."""
+def present_of(concat: gs.Node, outputs: set[int]) -> gs.Tensor | None:
+    """The graph output (`outputs`: the ids of the graph's outputs) a cache Concat's result is:
+    itself, or its QuantizeLinear -> DequantizeLinear (a QDQ model)."""
     tensor = concat.outputs[0]
     for _ in range(3):
-        if any(t is tensor for t in outputs):
+        if id(tensor) in outputs:
             return tensor
         nxt = [n for n in tensor.outputs if n.op in QDQ]
         if not nxt:

@@ -64,15 +64,19 @@ def renamable(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> bool:
     return isinstance(new, gs.Variable) and bool(new.inputs) and id(new) not in io
 
 
-def replace_uses(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
+def replace_uses(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor, outputs: set[int] | None = None) -> None:
     """Every consumer of `old` reads `new` instead; a graph output keeps its name.
 
     When `old` is a graph output, `new` takes over its name if it is a node output that is not
     itself graph I/O; otherwise an Identity named after the old producer keeps the output.
+    `outputs`: the ids of `graph.outputs`, when the caller keeps them (kept up to date here): a
+    walk that replaces a tensor per layer then costs O(1) a replacement, not O(graph outputs).
     """
     rewire(old, new)
-    if not any(t is old for t in graph.outputs):
+    if not (id(old) in outputs if outputs is not None else any(t is old for t in graph.outputs)):
         return
+    if outputs is not None:
+        outputs.discard(id(old))
     if renamable(graph, old, new):
         name, dtype, shape = old.name, old.dtype, old.shape
         old.name = f"{name}/replaced"
@@ -81,12 +85,12 @@ def replace_uses(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
             new.dtype = dtype
         if new.shape is None:
             new.shape = shape
-        _swap_output(graph, old, new)
+        _swap_output(graph, old, new, outputs)
         return
     out = gs.Variable(old.name, dtype=old.dtype, shape=old.shape)
     old.name = f"{old.name}/replaced"
     graph.nodes.append(gs.Node("Identity", name=f"{out.name}/keep", inputs=[new], outputs=[out]))
-    _swap_output(graph, old, out)
+    _swap_output(graph, old, out, outputs)
 
 
 def rewire(old: gs.Tensor, new: gs.Tensor) -> None:
@@ -97,16 +101,19 @@ def rewire(old: gs.Tensor, new: gs.Tensor) -> None:
                 consumer.inputs[i] = new
 
 
-def _swap_output(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
+def _swap_output(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor, outputs: set[int] | None) -> None:
     for i, t in enumerate(graph.outputs):
         if t is old:
             graph.outputs[i] = new
+    if outputs is not None:
+        outputs.add(id(new))
 
 
-def bypass(graph: gs.Graph, node: gs.Node, source: gs.Tensor | None = None) -> None:
-    """Remove a single-output no-op `node`: its consumers read `source` (default: input 0)."""
+def bypass(graph: gs.Graph, node: gs.Node, source: gs.Tensor | None = None, outputs: set[int] | None = None) -> None:
+    """Remove a single-output no-op `node`: its consumers read `source` (default: input 0).
+    `outputs`: as `replace_uses` takes it."""
     out = node.outputs[0]
-    replace_uses(graph, out, node.inputs[0] if source is None else source)
+    replace_uses(graph, out, node.inputs[0] if source is None else source, outputs)
     node.outputs.clear()
     node.inputs.clear()
 
