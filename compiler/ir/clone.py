@@ -40,7 +40,7 @@ def clone(graph: gs.Graph) -> gs.Graph | None:
         tensors[id(t)] = t, copy
         for key, value in t.__dict__.items():
             if key == "inputs" or key == "outputs":
-                value = _linked(copy, "outputs" if key == "inputs" else "inputs")
+                value = linked(copy, "outputs" if key == "inputs" else "inputs")
             elif key == "shape" and type(value) is list:
                 value = list(value)
             _set(copy, key, value)
@@ -52,7 +52,7 @@ def clone(graph: gs.Graph) -> gs.Graph | None:
             if key == "attrs":
                 value = OrderedDict((k, _attr(v, tensor)) for k, v in value.items())
             elif key == "inputs" or key == "outputs":
-                value = _linked(copy, "outputs" if key == "inputs" else "inputs")
+                value = linked(copy, "outputs" if key == "inputs" else "inputs")
             _set(copy, key, value)
         list.extend(copy.inputs, [tensor(t) for t in node.inputs])
         list.extend(copy.outputs, [tensor(t) for t in node.outputs])
@@ -75,7 +75,7 @@ def clone(graph: gs.Graph) -> gs.Graph | None:
     return result
 
 
-def _linked(owner, field: str) -> SynchronizedList:
+def linked(owner, field: str) -> SynchronizedList:
     """An empty SynchronizedList of `owner` (filled with list.extend: both sides are set by hand)."""
     linked = SynchronizedList.__new__(SynchronizedList)
     linked.parent_obj, linked.field_name = owner, field

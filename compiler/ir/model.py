@@ -25,6 +25,7 @@ from mtkc.ir import wire
 from mtkc.ir.clone import clone, copy_message
 from mtkc.ir.counts import count
 from mtkc.ir.graph_utils import tensor_map
+from mtkc.ir.importer import import_model
 from mtkc.ir.model_checks import (
     ExternalDataError,
     allowed_trees,
@@ -143,7 +144,9 @@ def read_proto(path: Path) -> onnx.ModelProto:
 def _import(proto: onnx.ModelProto, path: Path, root: Path) -> gs.Graph:
     count("graph imports")
     try:
-        graph = gs.import_onnx(proto)
+        graph = import_model(proto)
+        if graph is None:  # functions, subgraphs, ...: graphsurgeon's own import
+            graph = gs.import_onnx(proto)
     except Exception as exc:  # graphsurgeon raises bare Exceptions on malformed graphs
         raise InputError(f"{path}: cannot import graph ({_first_line(exc)})") from None
     for g in (graph, *graph.functions):  # graphsurgeon hands out the file's own opset ids: copy them
