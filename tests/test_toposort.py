@@ -159,3 +159,27 @@ def test_loose_tensors_sees_every_named_variable_the_graph_mentions(seed):
     assert found == (untyped - {"orphan_out"}, dynamic - {"orphan_out"})
     with pytest.raises(PassError, match="node 'reader' reads tensor 'dangling'"):
         check(graph, "p")
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_replace_uses_with_a_kept_output_set_is_the_scan(kept):
+    """`replace_uses(..., outputs=ids)` gives the graph the scan over graph.outputs gives, and leaves
+    `ids` the ids of the new outputs: a rename (the new tensor takes the output's name), an Identity
+    (the new tensor is a graph input), and a tensor that is no output."""
+    def build():
+        x = gs.Variable("x", np.float32, [2])
+        a, b, c = (gs.Variable(n, np.float32, [2]) for n in "abc")
+        nodes = [gs.Node("Relu", "r1", inputs=[x], outputs=[a]), gs.Node("Relu", "r2", inputs=[a], outputs=[b]),
+                 gs.Node("Neg", "n", inputs=[a], outputs=[c])]
+        return gs.Graph(nodes=nodes, inputs=[x], outputs=[b, c]), x, a, b, c
+
+    graph, x, a, b, c = build()
+    ids = {id(t) for t in graph.outputs} if kept else None
+    gu.replace_uses(graph, b, a, ids)  # a takes the name "b"
+    gu.replace_uses(graph, c, x, ids)  # x is a graph input: an Identity keeps "c"
+    other = gs.Variable("d", np.float32, [2])
+    gu.replace_uses(graph, other, x, ids)  # no output: nothing changes
+    assert [t.name for t in graph.outputs] == ["b", "c"] and graph.outputs[0] is a
+    assert graph.nodes[-1].op == "Identity" and graph.nodes[-1].inputs[0] is x
+    if kept:
+        assert ids == {id(t) for t in graph.outputs}
