@@ -166,14 +166,11 @@ def test_replace_uses_with_a_kept_output_set_is_the_scan(kept):
     """`replace_uses(..., outputs=ids)` gives the graph the scan over graph.outputs gives, and leaves
     `ids` the ids of the new outputs: a rename (the new tensor takes the output's name), an Identity
     (the new tensor is a graph input), and a tensor that is no output."""
-    def build():
-        x = gs.Variable("x", np.float32, [2])
-        a, b, c = (gs.Variable(n, np.float32, [2]) for n in "abc")
-        nodes = [gs.Node("Relu", "r1", inputs=[x], outputs=[a]), gs.Node("Relu", "r2", inputs=[a], outputs=[b]),
-                 gs.Node("Neg", "n", inputs=[a], outputs=[c])]
-        return gs.Graph(nodes=nodes, inputs=[x], outputs=[b, c]), x, a, b, c
-
-    graph, x, a, b, c = build()
+    x = gs.Variable("x", np.float32, [2])
+    a, b, c = (gs.Variable(n, np.float32, [2]) for n in "abc")
+    nodes = [gs.Node("Relu", "r1", inputs=[x], outputs=[a]), gs.Node("Relu", "r2", inputs=[a], outputs=[b]),
+             gs.Node("Neg", "n", inputs=[a], outputs=[c])]
+    graph = gs.Graph(nodes=nodes, inputs=[x], outputs=[b, c])
     ids = {id(t) for t in graph.outputs} if kept else None
     gu.replace_uses(graph, b, a, ids)  # a takes the name "b"
     gu.replace_uses(graph, c, x, ids)  # x is a graph input: an Identity keeps "c"

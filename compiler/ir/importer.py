@@ -26,7 +26,8 @@ from mtkc.ir.clone import linked
 
 _set = object.__setattr__
 A = onnx.AttributeProto
-_PLAIN = {A.FLOAT: "f", A.INT: "i", A.FLOATS: "floats", A.INTS: "ints"}
+_SCALARS = {A.FLOAT: "f", A.INT: "i"}
+_LISTS = {A.FLOATS: "floats", A.INTS: "ints"}
 
 
 class _NotPlain(Exception):
@@ -34,7 +35,7 @@ class _NotPlain(Exception):
 
 
 def import_model(proto: onnx.ModelProto) -> gs.Graph | None:
-    opset = OnnxImporter.get_opset(proto) if any(o.domain in ("", "ai.onnx") for o in proto.opset_import) else None
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), None)  # get_opset's
     g = proto.graph
     if proto.functions or g.sparse_initializer or opset is None:
         return None
@@ -117,9 +118,10 @@ def _attribute(a: onnx.AttributeProto):
     if a.ref_attr_name:
         raise _NotPlain
     kind = a.type
-    if kind in _PLAIN:
-        value = getattr(a, _PLAIN[kind])
-        return value if kind in (A.FLOAT, A.INT) else list(value)
+    if kind in _SCALARS:
+        return getattr(a, _SCALARS[kind])
+    if kind in _LISTS:
+        return list(getattr(a, _LISTS[kind]))
     if kind == A.STRING:
         return a.s.decode()
     if kind == A.STRINGS:
