@@ -9,7 +9,7 @@ import pytest
 
 from mtkc.errors import PassError
 from mtkc.ir import graph_utils as gu
-from mtkc.ir.toposort import cycle_node, kahn_order, topo_order
+from mtkc.ir.toposort import cycle_node, kahn_order, prune_sorted, topo_order
 from mtkc.manager.invariants import restore
 
 
@@ -81,6 +81,35 @@ def _another_topological_order(order: list[gs.Node], rng) -> list[gs.Node]:
                 ready.append(j)
     assert len(out) == len(order)
     return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_prune_sorted_is_graphsurgeons_cleanup_then_toposort(seed):
+    """Live nodes in an order (a dead node may read a tensor made after it): the nodes, their order
+    and every tensor's links as graphsurgeon's `cleanup().toposort()` leaves them. Shuffled: False,
+    and the node list as it was."""
+    def links(graph):
+        tensors = {t.name: t for n in graph.nodes for t in (*n.inputs, *n.outputs)}
+        return ([n.name for n in graph.nodes], [([t.name for t in n.inputs], [t.name for t in n.outputs]) for n in graph.nodes],
+                {k: ([p.name for p in t.inputs], [c.name for c in t.outputs]) for k, t in sorted(tensors.items())})
+
+    def build(order_seed: int | None):
+        graph = _random_dag(seed)  # outputs: the last three tensors, so some nodes are dead
+        if order_seed is not None:
+            graph.nodes = _another_topological_order(topo_order(graph), np.random.default_rng(order_seed))
+            late = graph.nodes[-1].outputs[0]
+            graph.nodes.insert(0, gs.Node("Relu", "dead_early", inputs=[late], outputs=[gs.Variable("d", np.float32, [2])]))
+        return graph
+
+    shuffled = build(None)
+    before = [n.name for n in shuffled.nodes]
+    assert not prune_sorted(shuffled)
+    assert [n.name for n in shuffled.nodes] == before
+    for order_seed in (seed, seed + 100):
+        theirs, mine = build(order_seed), build(order_seed)
+        assert prune_sorted(mine)
+        assert links(mine) == links(theirs.cleanup().toposort())
+        assert "dead_early" not in links(mine)[0] and len(mine.nodes) < 60
 
 
 def test_detach_clear_inputs_and_set_input_keep_graphsurgeons_links():

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import onnx_graphsurgeon as gs
 
-from mtkc.ir.graph_utils import plain
+from mtkc.ir.graph_utils import detach, plain
 
 
 class CycleError(Exception):
@@ -135,6 +135,36 @@ def _sorted_levels(nodes: list[gs.Node], members: set[int]) -> dict[int, int] | 
                     deepest = d
         level[id(node)] = deepest + 1
     return level if len(level) == len(nodes) else None  # a node listed twice: the walk lists it once
+
+
+def prune_sorted(graph: gs.Graph) -> bool:
+    """`cleanup(graph)` then `toposort(graph)` of a plain graph in two sweeps, when its live nodes
+    are already in an order (each one's producers before it): what a pass that rewired or appended
+    nothing out of order leaves. False when they are not; then only the graph inputs' producers
+    were cleared (cleanup's first step), and the caller runs the two in full.
+
+    Backwards: a node is live when a graph output or a live node reads it (cleanup's walk, in list
+    order). Forwards over the live nodes: `_sorted_levels`, whose depths `topo_order` sorts by. A
+    live node read by one before it in the list fails the forward sweep, however the backward one
+    missed it (the list then is not an order of the live nodes)."""
+    for t in graph.inputs:
+        t.inputs.clear()
+    nodes = graph.nodes
+    used = {id(p) for t in graph.outputs for p in t.inputs}  # a producer outside the list is never visited
+    live: list[gs.Node] = []
+    for node in reversed(nodes):
+        if id(node) in used:
+            live.append(node)
+            for t in node.inputs:
+                used.update(map(id, t.inputs))
+    live.reverse()
+    level = _sorted_levels(live, {id(n) for n in nodes})
+    if level is None:
+        return False
+    dead = [n for n in nodes if id(n) not in used]
+    detach(dead)
+    graph.nodes = sorted(live, key=lambda n: level[id(n)])
+    return True
 
 
 def toposort(graph: gs.Graph, simple: bool | None = None) -> gs.Graph:

@@ -30,18 +30,19 @@ import numpy as np
 
 from mtkc.errors import InternalError, MtkcError, PassError
 from mtkc.ir.graph_utils import Names, cleanup, plain
-from mtkc.ir.toposort import CycleError, toposort
+from mtkc.ir.toposort import CycleError, prune_sorted, toposort
 from mtkc.rewrite.pass_api import Pass
 
 
 def restore(graph: gs.Graph, pass_name: str | None = None, error: type[MtkcError] = PassError) -> None:
     """Cleanup, cycle check, toposort and node naming after a pass (None: the input model)."""
     simple = plain(graph)  # a plain graph stays plain; another may lose its subgraphs in cleanup
-    cleanup(graph, simple=simple)
-    try:
-        toposort(graph, simple=simple or None)
-    except CycleError as exc:
-        raise error(f"{_stage(pass_name)}: {exc}") from None
+    if not (simple and prune_sorted(graph)):
+        cleanup(graph, simple=simple)
+        try:
+            toposort(graph, simple=simple or None)
+        except CycleError as exc:
+            raise error(f"{_stage(pass_name)}: {exc}") from None
     name_nodes(graph, pass_name)
 
 
@@ -115,29 +116,23 @@ def check(
             or (len(t.inputs) > 0 and id(t.inputs[0]) in in_graph)
         )
 
-    by_name: dict[str, gs.Tensor] = {}
-    twice: list[str] = []  # names two tensors share, in `_tensors` order: reported after dangling inputs
-
-    def named(t: gs.Tensor) -> None:
-        if t.name and by_name.setdefault(t.name, t) is not t:
-            twice.append(t.name)
-
-    for t in graph.inputs:
-        named(t)
-    for node in graph.nodes:  # in topological order: a variable input was named with its producer's outputs
-        for t in node.inputs:
+    named = list(graph.inputs)  # every tensor that names itself, in this order: graph inputs, each
+    for node in graph.nodes:    # node's constant inputs and outputs (in topological order, a variable
+        for t in node.inputs:   # input was named with its producer's outputs), graph outputs
             if isinstance(t, gs.Constant):
-                named(t)
-            elif not produced(t):
+                named.append(t)
+            elif t.name and id(t) not in graph_inputs and not (t.inputs and id(t.inputs[0]) in in_graph):
                 raise error(f"{stage}: node '{node.name}' reads tensor '{t.name}', which no node, input or constant produces")
-        for t in node.outputs:
-            named(t)
+        named += node.outputs
     for t in graph.outputs:
         if not produced(t):
             raise error(f"{stage}: graph output '{t.name}' is not produced by any node")
-        named(t)
-    if twice:
-        raise error(f"{stage}: two different tensors are named '{twice[0]}'")
+        named.append(t)
+    named = [t for t in named if t.name]
+    if len({id(t) for t in named}) != len({t.name for t in named}):  # some name is two tensors'
+        by_name: dict[str, gs.Tensor] = {}
+        twice = next(t.name for t in named if by_name.setdefault(t.name, t) is not t)
+        raise error(f"{stage}: two different tensors are named '{twice}'")
 
     if loose_before is not None and shapes_bound(graph):
         if loose_now is not None and not new_loose(loose_now, loose_before):
