@@ -93,62 +93,21 @@ def test_the_parent_builds_what_the_child_cannot_give(capsys, exported, built_he
         assert not GROUPS
 
 
-def _child(monkeypatch, inputs: str, graphs: str) -> None:
-    """A child answering the input's verdicts with `inputs` (a Python expression: dict items after
-    the fingerprint) and the graphs with `graphs` (likewise), after logging a warning for each."""
-    script = ("import logging, sys; from mtkc.pipeline import worker as W\n"
-              "def answers(job, records):\n"
-              "    real = W._fingerprint(W.Path(job['model']), len(W.load(job['model']).graph.nodes))\n"
-              "    records.take()\n"
-              "    logging.getLogger('mtkc.passes').warning('mtkc: the input says so')\n"
-              f"    yield {{'fingerprint': real, {inputs}, 'logs': records.take()}}\n"
-              "    logging.getLogger('mtkc.passes').warning('mtkc: decode says so')\n"
-              f"    yield {{{graphs}, 'logs': records.take()}}\n"
-              "W._answers = answers\nsys.exit(W.main())\n")
-    monkeypatch.setattr(W, "COMMAND", [sys.executable, "-c", script])
-
-
 def test_an_error_in_a_later_graph_is_reported_after_its_records(capsys, exported, monkeypatch):
     """The child's records replayed in order, then its error: compile would stop, the raw verdicts stand."""
     model = exported("qwen2", "legacy17", cache=True)
-    _child(monkeypatch, "'inputs': None, 'error': None",
-           "'graphs': [], 'error': {'type': 'PassError', 'message': 'decode broke'}")
+    script = ("import logging, sys; from mtkc.pipeline import worker as W\n"
+              "def answer(job, records):\n"
+              "    real = W._fingerprint(W.Path(job['model']), len(W.load(job['model']).graph.nodes))\n"
+              "    logging.getLogger('mtkc.passes').warning('mtkc: decode says so')\n"
+              "    return {'fingerprint': real, 'graphs': [], 'error': {'type': 'PassError', 'message': 'decode broke'}}\n"
+              "W._answer = answer\nsys.exit(W.main())\n")
+    monkeypatch.setattr(W, "COMMAND", [sys.executable, "-c", script])
     code, out, err = run(capsys, model, "8.0", "--jobs", "2")
     assert code == 0
-    assert "the input says so" not in err  # no verdicts in that answer: the parent made its own
     assert err.index("mtkc: decode says so") < err.index("mtkc: compile would stop: decode broke")
     report = json.loads(out)
     assert report["graphs"] == [] and report["unsupported"]
-
-
-def test_the_input_s_verdicts_come_from_the_child_and_first(capsys, exported, monkeypatch):
-    """The input's verdicts as the child made them (not remade here), their records before the first
-    graph's; their error stops check as it would in-process, before any record of compile's graphs."""
-    model = exported("qwen2", "legacy17", cache=True)
-    alone = run(capsys, model, "8.0", "--jobs", "1")
-    from mtkc.pipeline import check as C
-
-    made_here = []
-    monkeypatch.setattr(C, "input_verdicts", lambda *a: made_here.append(1))
-    assert run(capsys, model, "8.0", "--jobs", "2") == alone and not made_here
-    real_build = C.build
-
-    def build(*args, **kwargs):
-        C.log.warning("mtkc: the first graph says so")
-        return real_build(*args, **kwargs)
-
-    monkeypatch.setattr(C, "build", build)
-    _child(monkeypatch, "'inputs': W.input_verdicts(W.load(job['model']), W.capability.load_table('8.0'), "
-                        "W.Options.from_json(job['inputs'])).to_json(), 'error': None",
-           "'graphs': [], 'error': None")
-    code, out, err = run(capsys, model, "8.0", "--jobs", "2")
-    assert err.index("mtkc: the input says so") < err.index("mtkc: the first graph says so")
-    _child(monkeypatch, "'inputs': None, 'error': {'type': 'InputError', 'message': 'input broke'}",
-           "'graphs': [], 'error': None")
-    code, out, err = run(capsys, model, "8.0", "--jobs", "2")
-    assert code == 2 and out == ""
-    assert "mtkc: the input says so" in err and "input broke" in err and "the first graph says so" not in err
-    assert not GROUPS
 
 
 def test_no_worker_where_it_cannot_pay_or_would_run_user_code(exported, tmp_path):

@@ -24,8 +24,9 @@ from mtkc.ir.toposort import topo_order
 MAX_ELEMENTS = 64
 
 
-def known_values(graph: gs.Graph) -> dict[str, np.ndarray]:
-    """Output name -> value for every node output the static shapes determine (not the constants)."""
+def known_values(graph: gs.Graph, order: list[gs.Node] | None = None) -> dict[str, np.ndarray]:
+    """Output name -> value for every node output the static shapes determine (not the constants);
+    `order`: `topo_order(graph)`, when the caller has it."""
     values: dict[int, np.ndarray] = {}
     out: dict[str, np.ndarray] = {}
 
@@ -38,7 +39,7 @@ def known_values(graph: gs.Graph) -> dict[str, np.ndarray]:
         vals = constants.values(const, max_elements=MAX_ELEMENTS)
         return vals if vals is not None and vals.dtype.kind in "iub" else None
 
-    for node in topo_order(graph):
+    for node in order or topo_order(graph):
         if node.domain not in (None, "", "ai.onnx") or len(node.outputs) != 1 or node.op not in _OPS:
             continue
         try:

@@ -47,7 +47,8 @@ def infer(graph: gs.Graph, root: Path | None = None) -> None:
     """Infer dtype/shape of every variable of `graph` in place (weights are never read)."""
     count("shape inferences")
     small = _announced_ranges(graph) <= PROPAGATE_ELEMENTS  # data propagation computes them (2^40: never ends)
-    base = stripped_proto(graph, root)
+    order = topo_order(graph)  # inference adds no node: one order serves every sweep
+    base = stripped_proto(graph, root, order)
     tensors = tensor_map(graph)  # inference names nothing: one map serves every sweep
     _onnx_infer(tensors, base, small)
     before = None
@@ -56,7 +57,7 @@ def infer(graph: gs.Graph, root: Path | None = None) -> None:
         if not loose or loose == before:
             break
         before = loose  # shape operands computed from the bound shapes, as constants of one more sweep
-        known = shape_values.known_values(graph)
+        known = shape_values.known_values(graph, order)
         small = _announced_ranges(graph, known) <= PROPAGATE_ELEMENTS  # bounds that are known now count too
         _onnx_infer(tensors, _with_values(base, known), small, known)
     finish(graph, root)
@@ -252,18 +253,31 @@ def settled(graph: gs.Graph) -> bool:
 
 
 def _static(t: gs.Tensor) -> bool:
-    return isinstance(t, gs.Constant) or (t.shape is not None and all(isinstance(d, int) for d in t.shape))
+    if isinstance(t, gs.Constant):
+        return True
+    if t.shape is None:
+        return False
+    for d in t.shape:  # a loop, not all(<generator>): this runs for every tensor, several times per inference
+        if not isinstance(d, int):
+            return False
+    return True
 
 
-def stripped_proto(graph: gs.Graph, root: Path | None = None) -> onnx.ModelProto:
+def stripped_proto(graph: gs.Graph, root: Path | None = None, order: list[gs.Node] | None = None) -> onnx.ModelProto:
     """A ModelProto of `graph` with big constants as typed inputs and ONNX-domain outputs untyped.
 
     Built node by node from `graph` (no copy of the graph; nothing in it changes), in
-    topological order: ONNX inference is one forward sweep in node order.
+    topological order (`order`: `topo_order(graph)`, when the caller has it): ONNX inference is
+    one forward sweep in node order. The nodes are made in place in the proto (as graphsurgeon's
+    `export_node` makes them), not copied into it twice as `make_graph` and `make_model` would.
     """
+    proto = onnx.ModelProto(ir_version=onnx.IR_VERSION if graph.ir_version is None else graph.ir_version)
+    proto.opset_import.extend(_opset_imports(graph))
+    g = proto.graph
+    g.name = graph.name
     io = {t.name for t in graph.inputs}
     inputs = [OnnxExporter.export_value_info_proto(t, False) for t in graph.inputs]
-    initializers, nodes, value_info = [], [], []
+    initializers, value_info = [], []
     done = set(io)
 
     def typed_input(name: str, const: gs.Constant) -> None:
@@ -279,7 +293,7 @@ def stripped_proto(graph: gs.Graph, root: Path | None = None) -> onnx.ModelProto
         else:
             typed_input(t.name, t)
 
-    for node in topo_order(graph):
+    for node in order or topo_order(graph):
         value = node.attrs.get("value")
         if node.op == "Constant" and _is_onnx(node) and isinstance(value, gs.Constant) and not _inline(value):
             if node.outputs:
@@ -288,7 +302,11 @@ def stripped_proto(graph: gs.Graph, root: Path | None = None) -> onnx.ModelProto
         for t in node.inputs:
             if isinstance(t, gs.Constant):
                 constant(t)
-        nodes.append(OnnxExporter.export_node(node))
+        n = g.node.add(op_type=node.op, name=node.name or None, domain=node.domain)
+        n.input.extend([t.name for t in node.inputs])
+        n.output.extend([t.name for t in node.outputs])
+        if node.attrs:
+            n.attribute.extend(OnnxExporter.export_attributes(node.attrs))
         if not _has_schema(node, graph.opset):
             value_info += [OnnxExporter.export_value_info_proto(t, False) for t in node.outputs
                            if isinstance(t, gs.Variable) and t.name and (t.dtype is not None or t.shape is not None)]
@@ -301,13 +319,10 @@ def stripped_proto(graph: gs.Graph, root: Path | None = None) -> onnx.ModelProto
         else:
             outputs.append(OnnxExporter.export_value_info_proto(out, False))
     names = {vi.name for vi in outputs}
-    value_info = [vi for vi in value_info if vi.name not in names]
-    proto = onnx.helper.make_model(
-        onnx.helper.make_graph(nodes, graph.name, inputs, outputs, initializers, value_info=value_info),
-        opset_imports=_opset_imports(graph),
-    )
-    if graph.ir_version is not None:
-        proto.ir_version = graph.ir_version
+    g.input.extend(inputs)
+    g.output.extend(outputs)
+    g.initializer.extend(initializers)
+    g.value_info.extend(vi for vi in value_info if vi.name not in names)
     return proto
 
 

@@ -32,7 +32,6 @@ from mtkc.pipeline.registry import load_registry
 from mtkc.options import Options
 from mtkc.passes.bind_shapes import BindShapes, has_past, roles_of
 from mtkc.passes.kv_cache import variants as plan_variants
-from mtkc.passes.qdq import quantization_state
 from mtkc.rewrite.pass_api import Context, Pass
 from mtkc.target.assess import Assessment, assess
 from mtkc.target.capability import Table
@@ -190,28 +189,6 @@ def raw_assessment(model: Model, table: Table, options: Options) -> tuple[Assess
     the input dims left symbolic."""
     unbound = bind_and_type(model.graph, Context(table, options, model.root))
     return assess(model.graph, table, model.opset, model.values), unbound
-
-
-@dataclass
-class InputVerdicts:
-    """What check reports of the input itself: `raw_assessment` and `quantization_state`."""
-
-    assessment: Assessment
-    unbound: list[str]
-    quantization: dict
-
-    def to_json(self) -> dict:
-        return {"assessment": self.assessment.to_json(), "unbound": self.unbound, "quantization": self.quantization}
-
-    @classmethod
-    def from_json(cls, data: dict) -> InputVerdicts:
-        return cls(Assessment.from_json(data["assessment"]), list(data["unbound"]), data["quantization"])
-
-
-def input_verdicts(model: Model, table: Table, options: Options) -> InputVerdicts:
-    """`raw_assessment` of `model` (rewritten in place: bound and typed) and its quantisation state."""
-    raw, unbound = raw_assessment(model, table, options)
-    return InputVerdicts(raw, unbound, quantization_state(model.graph))
 
 
 def bind_and_type(graph: gs.Graph, ctx: Context) -> list[str]:

@@ -10,10 +10,9 @@ op and reason, each with the pass that rewrote it in compile's pipeline. Nothing
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import onnx_graphsurgeon as gs
 
@@ -22,7 +21,8 @@ from mtkc.errors import MtkcError
 from mtkc.ir.model import load
 from mtkc.pipeline.registry import load_registry
 from mtkc.options import Options, of
-from mtkc.pipeline.build import Build, InputVerdicts, build, input_verdicts, plan_graphs
+from mtkc.passes.qdq import quantization_state
+from mtkc.pipeline.build import Build, build, plan_graphs, raw_assessment
 from mtkc.pipeline.worker import Worker
 from mtkc.rewrite.pass_api import Pass
 from mtkc.target import capability
@@ -167,115 +167,55 @@ def check(model_path, sdk: str, options: Options | dict[str, Any] | None = None,
     model = load(model_path)
     decoder = decoder_map(model.graph)
     if not compiled:
-        return _report(model_path, table, input_verdicts(model, table, options), decoder)
-    tracker = _Tracker(table, model.values)
-    worker = _worker(model, options, table, decoder, jobs)
-    spare = model.copy() if worker is None else None  # for the input's verdicts: a copy is faster than `fresh`
-    try:
-        with _held() as held:  # the input's verdicts come first in the log, as in the report
-            try:
-                result, stopped = build(model, options, table, observe=tracker, raw=False, suggest=True,
-                                        decoder=decoder, ahead=worker), None
-            except MtkcError as exc:  # the input's verdicts still stand; the warning says why
-                result, stopped = None, exc
-        inputs = worker.inputs() if worker is not None else None
-        if inputs is None:
-            inputs = input_verdicts(spare or model.fresh(), table, options)
-    finally:
-        if worker is not None:
-            worker.close()
-    for record in held:
-        log.handle(record)
-    report = _report(model_path, table, inputs, decoder)
-    if stopped is not None:
-        log.warning("mtkc: compile would stop: %s; the verdict below is the input's", stopped)
-        return report
-    _add_build(report, result)
-    report.rewritten_by = tracker.fixed(inputs.assessment)
-    return report
+        raw, unbound = raw_assessment(model, table, options)
+        return CheckReport(table.version, table.arch, str(model_path), raw, unbound,
+                           quantization=quantization_state(model.graph), decoder=decoder)
+    watch: set[str] = set()
+    fixed: dict[str, str] = {}
 
+    first = True  # the first pass's graph is judged whatever it did: the input's verdicts had dims bound
 
-def _report(model_path, table, inputs: InputVerdicts, decoder: DecoderMap) -> CheckReport:
-    return CheckReport(table.version, table.arch, str(model_path), inputs.assessment, inputs.unbound,
-                       quantization=inputs.quantization, decoder=decoder)
-
-
-class _Tracker:
-    """Which pass of compile's first graph fixed each node the input's verdicts leave unsupported
-    (gone, or supported, after it): the pipeline's observer.
-
-    It is made before the input's verdicts are known (they may come from `mtkc.pipeline.worker`
-    at the end): after the first pass it keeps the nodes then unsupported, and follows those. A
-    node of the input's verdicts outside them was fixed by the first pass; the pass's graph is
-    judged whatever it did, since the input's verdicts had dims bound as the user bound them. After
-    a later pass, the nodes still followed are judged when it touched the graph (else the verdicts
-    stand as after the pass before)."""
-
-    def __init__(self, table, values):
-        self.table, self.values = table, values
-        self.first: str | None = None  # the first pass's name
-        self.followed: set[str] = set()  # unsupported after the first pass
-        self.by: dict[str, str] = {}  # followed node -> the pass after which it was fixed
-
-    def __call__(self, p: Pass, graph: gs.Graph, touched: bool) -> None:
-        if self.first is None:
-            self.first = p.name
-            self.followed = {n.name for n in graph.nodes if not self.table.supports(n, graph.opset, self.values)}
+    def track(p: Pass, graph: gs.Graph, touched: bool) -> None:
+        nonlocal first
+        pending = watch.difference(fixed)
+        if not pending or not (first or touched):  # all fixed, or the verdicts stand as after the pass before
             return
-        pending = self.followed.difference(self.by)
-        if not pending or not touched:
-            return
+        first = False
         nodes = {n.name: n for n in graph.nodes}
         for name in sorted(pending):
             node = nodes.get(name)
-            if node is None or self.table.supports(node, graph.opset, self.values):
-                self.by[name] = p.name
+            if node is None or table.supports(node, graph.opset, model.values):
+                fixed[name] = p.name
 
-    def fixed(self, raw: Assessment) -> dict[str, str]:
-        """{unsupported node of `raw` -> the pass that fixed it}."""
-        if self.first is None:  # no pass ran
-            return {}
-        out = {}
-        for name in (n for g in raw.groups for n in g.nodes):
-            if name not in self.followed:
-                out[name] = self.first
-            elif name in self.by:
-                out[name] = self.by[name]
-        return out
-
-
-@contextlib.contextmanager
-def _held() -> Iterator[list[logging.LogRecord]]:
-    """The `mtkc` logger's records held back (the caller handles them); handled at once when an
-    exception leaves the block."""
-    held: list[logging.LogRecord] = []
-
-    class Hold(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            held.append(record)
-
-    handlers, propagate = log.handlers[:], log.propagate
-    log.handlers[:], log.propagate = [Hold()], False
+    worker = _worker(model, options, table, decoder, jobs)
     try:
-        yield held
-    except BaseException:
-        log.handlers[:], log.propagate = handlers, propagate
-        for record in held:
-            log.handle(record)
-        raise
+        raw_model = model.copy()
+        raw, unbound = raw_assessment(raw_model, table, options)
+        watch.update(n for g in raw.groups for n in g.nodes)
+        report = CheckReport(table.version, table.arch, str(model_path), raw, unbound,
+                             quantization=quantization_state(raw_model.graph), decoder=decoder)
+        try:
+            result = build(model, options, table, observe=track, raw=False, suggest=True, decoder=decoder, ahead=worker)
+        except MtkcError as exc:  # the raw verdicts still stand; say why compile's outcome is missing
+            log.warning("mtkc: compile would stop: %s; the verdict below is the input's", exc)
+            return report
     finally:
-        log.handlers[:], log.propagate = handlers, propagate
+        if worker is not None:
+            worker.close()
+    _add_build(report, result)
+    report.rewritten_by = fixed
+    return report
 
 
 def _worker(model, options: Options, table, decoder: DecoderMap, jobs: int | None) -> Worker | None:
-    """A worker making the input's verdicts and compile's graphs after the first
-    (`mtkc.pipeline.worker`); None when there are none, it would not pay, or planning fails (`build`
-    then fails the same way, reported as compile's outcome)."""
+    """A worker building compile's graphs after the first (`mtkc.pipeline.worker`), started before
+    the raw verdicts; None when there are none, it would not pay, or planning fails (`build` then
+    fails the same way, reported as compile's outcome)."""
     try:
         _, planned, (_, *rest) = plan_graphs(model.graph, options, decoder)
     except MtkcError:
         return None
-    return Worker.start(model, planned, rest, table, jobs, inputs=options)
+    return Worker.start(model, planned, rest, table, jobs)
 
 
 def _add_build(report: CheckReport, result: Build) -> None:

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -51,30 +51,6 @@ class Assessment:
     @property
     def partitions(self) -> int:
         return len(self.partition_sizes)
-
-    def to_json(self) -> dict:
-        """Every field, for `from_json` in another process (`mtkc.pipeline.worker`)."""
-        def verdict(v: Verdict) -> dict:
-            return {**{k: getattr(v, k) for k in VERDICT_FIELDS},
-                    "known_passes": None if v.known_passes is None else sorted(v.known_passes)}
-
-        return {"nodes": self.nodes, "supported": self.supported, "partition_sizes": list(self.partition_sizes),
-                "constants": self.constants,
-                "groups": [{"op": g.op, "domain": g.domain, "verdict": verdict(g.verdict), "nodes": list(g.nodes)}
-                           for g in self.groups]}
-
-    @classmethod
-    def from_json(cls, data: dict) -> Assessment:
-        def verdict(d: dict) -> Verdict:
-            known = d["known_passes"]
-            return Verdict(**{k: d[k] for k in VERDICT_FIELDS if k != "passes"}, passes=tuple(d["passes"]),
-                           known_passes=None if known is None else frozenset(known))
-
-        groups = [Group(g["op"], g["domain"], verdict(g["verdict"]), list(g["nodes"])) for g in data["groups"]]
-        return cls(data["nodes"], data["supported"], list(data["partition_sizes"]), groups, data["constants"])
-
-
-VERDICT_FIELDS = tuple(f.name for f in fields(Verdict) if f.name != "known_passes")  # a frozenset: a sorted list
 
 
 def assess(graph: gs.Graph, table: Table, opset: int | None = None,
