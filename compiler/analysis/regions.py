@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import networkx as nx
 import onnx_graphsurgeon as gs
 
 from mtkc.analysis.decoder import DecoderMap
@@ -39,6 +38,8 @@ def layer_boundaries(graph: gs.Graph, dm: DecoderMap) -> dict[int, gs.Variable]:
     sink = next((o for name in (io.LOGITS, io.HIDDEN_STATES_OUT) for o in graph.outputs if o.name == name), None)
     if not sources or sink is None or not sink.inputs:
         raise InputError("layer boundaries need a token input (input_ids or hidden_states) and a logits output")
+    import networkx as nx  # here, not at the top: 0.1 s of every command's start, and only this needs it
+
     dag = nx.DiGraph()
     src, end = "<src>", "<sink>"
     for node in graph.nodes:

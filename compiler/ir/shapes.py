@@ -60,7 +60,7 @@ def infer(graph: gs.Graph, root: Path | None = None) -> None:
         known = shape_values.known_values(graph, order)
         small = _announced_ranges(graph, known) <= PROPAGATE_ELEMENTS  # bounds that are known now count too
         _onnx_infer(tensors, _with_values(base, known), small, known)
-    finish(graph, root)
+    finish(graph, root, tensors)
 
 
 def _with_values(base: onnx.ModelProto, known: dict[str, np.ndarray]) -> onnx.ModelProto:
@@ -151,9 +151,10 @@ def _announced_ranges(graph: gs.Graph, known: dict[str, np.ndarray] | None = Non
     return largest
 
 
-def finish(graph: gs.Graph, root: Path | None = None) -> None:
-    """onnxruntime's symbolic shape inference for what ONNX left non-static, when the inputs are static."""
-    if not all(_static(t) for t in graph.inputs) or all(_static(t) for t in tensor_map(graph).values()):
+def finish(graph: gs.Graph, root: Path | None, tensors: dict[str, gs.Tensor]) -> None:
+    """onnxruntime's symbolic shape inference for what ONNX left non-static, when the inputs are
+    static (`tensors`: the graph's `tensor_map`)."""
+    if not all(_static(t) for t in graph.inputs) or all(_static(t) for t in tensors.values()):
         return
     count("symbolic shape inferences")
     try:
@@ -161,7 +162,6 @@ def finish(graph: gs.Graph, root: Path | None = None) -> None:
     except Exception as exc:  # it raises bare Exceptions on ops it cannot handle
         log.debug("symbolic shape inference failed: %s", exc)
         return
-    tensors = tensor_map(graph)
     for vi in [*inferred.graph.value_info, *inferred.graph.output]:
         t = tensors.get(vi.name)
         if isinstance(t, gs.Variable) and not _static(t) and vi.type.HasField("tensor_type"):
