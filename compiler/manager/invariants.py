@@ -116,23 +116,29 @@ def check(
             or (len(t.inputs) > 0 and id(t.inputs[0]) in in_graph)
         )
 
-    named = list(graph.inputs)  # every tensor that names itself, in this order: graph inputs, each
-    for node in graph.nodes:    # node's constant inputs and outputs (in topological order, a variable
-        for t in node.inputs:   # input was named with its producer's outputs), graph outputs
+    by_name: dict[str, gs.Tensor] = {}
+    twice: list[str] = []  # names two tensors share, in `_tensors` order: reported after dangling inputs
+
+    def named(t: gs.Tensor) -> None:
+        if t.name and by_name.setdefault(t.name, t) is not t:
+            twice.append(t.name)
+
+    for t in graph.inputs:
+        named(t)
+    for node in graph.nodes:  # in topological order: a variable input was named with its producer's outputs
+        for t in node.inputs:
             if isinstance(t, gs.Constant):
-                named.append(t)
-            elif t.name and id(t) not in graph_inputs and not (t.inputs and id(t.inputs[0]) in in_graph):
+                named(t)
+            elif not produced(t):
                 raise error(f"{stage}: node '{node.name}' reads tensor '{t.name}', which no node, input or constant produces")
-        named += node.outputs
+        for t in node.outputs:
+            named(t)
     for t in graph.outputs:
         if not produced(t):
             raise error(f"{stage}: graph output '{t.name}' is not produced by any node")
-        named.append(t)
-    named = [t for t in named if t.name]
-    if len({id(t) for t in named}) != len({t.name for t in named}):  # some name is two tensors'
-        by_name: dict[str, gs.Tensor] = {}
-        twice = next(t.name for t in named if by_name.setdefault(t.name, t) is not t)
-        raise error(f"{stage}: two different tensors are named '{twice}'")
+        named(t)
+    if twice:
+        raise error(f"{stage}: two different tensors are named '{twice[0]}'")
 
     if loose_before is not None and shapes_bound(graph):
         if loose_now is not None and not new_loose(loose_now, loose_before):
