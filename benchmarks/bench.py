@@ -263,26 +263,23 @@ def run_size(cache: Path, size: str, skip: set[str], limit_mb: float, layers: in
     for name in tools(model, cache, size):
         if name in skip:
             continue
-        floor = _copy_floor(model, cache, size, limit_mb) if name in (CHECK, COMPILE) and COPY not in skip else None
-        with tempfile.TemporaryDirectory(dir=cache, prefix=".bench-") as tmp:  # same disk as the input
-            work = Path(tmp)
-            (work / "copy").mkdir()
-            print(f"[{size}] {name} ...", file=sys.stderr)
-            rows[name] = measure(tools(model, work, size)[name], limit_mb)
-        if floor is not None:
-            rows[name]["floor_s"] = floor
+        floor = _run_tool(model, cache, size, COPY, limit_mb) if name in (CHECK, COMPILE) and COPY not in skip else None
+        print(f"[{size}] {name} ...", file=sys.stderr)
+        rows[name] = _run_tool(model, cache, size, name, limit_mb)
+        if floor is not None and floor["exit"] == 0:
+            rows[name]["floor_s"] = floor["wall_s"]
     if VERIFY not in skip:
         rows.update(run_runtime(model, cache, limit_mb))
     return {"model": str(model), "bytes": sum(p.stat().st_size for p in model.parent.iterdir()), "tools": rows,
             "compile_counts": compile_counts(model, cache) if COMPILE in rows else {}}
 
 
-def _copy_floor(model: Path, cache: Path, size: str, limit_mb: float) -> float | None:
-    """Seconds of one weight copy (the I/O floor) of `model`, now; None when it failed."""
+def _run_tool(model: Path, cache: Path, size: str, name: str, limit_mb: float) -> dict:
+    """`measure` of tool `name` writing into a scratch folder of its own, on the input's disk."""
     with tempfile.TemporaryDirectory(dir=cache, prefix=".bench-") as tmp:
-        (Path(tmp) / "copy").mkdir()
-        row = measure(tools(model, Path(tmp), size)[COPY], limit_mb)
-    return row["wall_s"] if row["exit"] == 0 else None
+        work = Path(tmp)
+        (work / "copy").mkdir()
+        return measure(tools(model, work, size)[name], limit_mb)
 
 
 def run_scaling(cache: Path, layer_counts: list[int], limit_mb: float) -> dict:
@@ -341,8 +338,12 @@ def floor_of(rows: dict, name: str) -> float | None:
 def ratios(rows: dict) -> dict[str, dict]:
     slim = rows.get(SLIM, {})
     slim = slim.get("wall_s") if slim.get("exit") == 0 else None
-    return {name: {"x_copy": round(r["wall_s"] / floor_of(rows, name), 2) if floor_of(rows, name) else None,
-                   "x_onnxslim": round(r["wall_s"] / slim, 2) if slim else None} for name, r in rows.items()}
+    out = {}
+    for name, r in rows.items():
+        floor = floor_of(rows, name)
+        out[name] = {"x_copy": round(r["wall_s"] / floor, 2) if floor else None,
+                     "x_onnxslim": round(r["wall_s"] / slim, 2) if slim else None}
+    return out
 
 
 def _number(value: float | None) -> str:
