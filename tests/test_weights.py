@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 
 from mtkc.errors import InputError
-from mtkc.ir import execute, weights
+from mtkc.ir import copier, execute, weights
 from mtkc.ir import model as mmodel
 
 RNG = np.random.default_rng(0)
@@ -170,7 +170,7 @@ def test_copy_is_streamed_in_chunks(kernel_copy, tmp_path, monkeypatch):
     out_var = gs.Variable("Y", np.float32, big.shape)
     const = gs.Constant("big", gs.ir.tensor.LazyValues(_external("big", big, "data", 0)))
     graph = gs.Graph(nodes=[gs.Node("Identity", inputs=[const], outputs=[out_var])], outputs=[out_var], opset=17)
-    monkeypatch.setattr(weights, "CHUNK", 1 << 20)
+    monkeypatch.setattr(copier, "CHUNK", 1 << 20)
     if not kernel_copy:
         monkeypatch.setattr(os, "copy_file_range", _no_copy_file_range)
     tracemalloc.start()

@@ -47,25 +47,44 @@ def staged(out: Path, overwrite: bool, foreign: Callable[[Path], str | None] | N
            remedy: str = REMEDY) -> Iterator[Path]:
     """Yield an empty staging folder beside `out`; on normal exit it becomes `out`. `foreign(out)`
     says why an existing `out` is not mtkc's to replace (default: `foreign_entry`, a compile's OUT)."""
-    given, out = out, Path(os.path.abspath(out))  # `-o .`: a name to stage beside
-    check_target(out, overwrite, given, foreign, remedy)
-    with disk_errors(given):
-        out.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale(out.parent)
-        stage = Path(tempfile.mkdtemp(prefix=f"{staging_prefix(out)}{os.getpid()}-", dir=out.parent))
-        stage.chmod(0o777 & ~_umask())  # mkdtemp's 0700 would make OUT unreadable to anyone else
-    STAGES.add(stage)
+    stage = Stage(out, overwrite, foreign, remedy)
     try:
-        with disk_errors(given):
-            yield stage
-            check_target(out, overwrite, given, foreign, remedy)  # again: it may have appeared or changed meanwhile
-            if os.path.lexists(out):
-                _swap(stage, out)  # stage now holds the previous OUT, removed below
-            else:
-                os.rename(stage, out)
+        with disk_errors(stage.given):
+            yield stage.path
+        stage.publish()
     finally:
-        shutil.rmtree(stage, ignore_errors=True)
-        STAGES.discard(stage)
+        stage.discard()
+
+
+class Stage:
+    """`staged` in steps, for a caller that writes between steps of its own: `publish` makes the
+    folder OUT, `discard` (always call it) removes what was not published. Only the steps' own
+    OSErrors name OUT (`disk_errors`); the caller wraps its writes."""
+
+    def __init__(self, out: Path, overwrite: bool, foreign: Callable[[Path], str | None] | None = None,
+                 remedy: str = REMEDY):
+        self.given, self.out = out, Path(os.path.abspath(out))  # `-o .`: a name to stage beside
+        self.overwrite, self.foreign, self.remedy = overwrite, foreign, remedy
+        check_target(self.out, overwrite, out, foreign, remedy)
+        with disk_errors(out):
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale(self.out.parent)
+            self.path = Path(tempfile.mkdtemp(prefix=f"{staging_prefix(self.out)}{os.getpid()}-", dir=self.out.parent))
+            self.path.chmod(0o777 & ~_umask())  # mkdtemp's 0700 would make OUT unreadable to anyone else
+        STAGES.add(self.path)
+
+    def publish(self) -> None:
+        """The staging folder becomes OUT (the previous OUT, if any, is removed by `discard`)."""
+        with disk_errors(self.given):
+            check_target(self.out, self.overwrite, self.given, self.foreign, self.remedy)  # it may have appeared meanwhile
+            if os.path.lexists(self.out):
+                _swap(self.path, self.out)  # the staging path now holds the previous OUT
+            else:
+                os.rename(self.path, self.out)
+
+    def discard(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        STAGES.discard(self.path)
 
 
 def check_target(out: Path, overwrite: bool, given: object = None,

@@ -12,7 +12,8 @@ inline (a small external constant of the source model is read and inlined).
 
 Dedup: a lazy constant still backed by the source model's data (external, or inline left in the
 .onnx by `mtkc.ir.wire`) is identified first by its source (file identity, offset, length) and
-copied in-kernel; an inline source constant first by its TensorProto (the same object in every
+copied in-kernel, on a thread of its own (`mtkc.ir.copier`: the caller's next graph is built
+meanwhile; each copy lands at the offset assigned when it was queued); an inline source constant first by its TensorProto (the same object in every
 graph imported from one parsed file, `mtkc.ir.model.Model.fresh`). Then every constant (folded and
 rewritten ones too) by its bytes: length and a sample of head and tail pick the candidates, and
 only then are whole bytes hashed (SHA-256; the stored side is read back from the weights file,
@@ -40,6 +41,7 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
 
 from mtkc.errors import InputError
+from mtkc.ir.copier import CHUNK, Copier
 from mtkc.ir.model import constants, external_info
 from mtkc.ir.opset import axes_to_attributes
 from mtkc.ir.model_checks import (
@@ -51,7 +53,6 @@ from mtkc.ir.model_checks import (
     resolve_location,
 )
 
-CHUNK = 16 << 20
 SAMPLE = 4096  # bytes of head and of tail that pick dedup candidates before any full hash
 LazyValues = gs.ir.tensor.LazyValues
 
@@ -69,6 +70,7 @@ class WeightWriter:
         self.threshold = threshold
         self._tmp: Path | None = None
         self._fd: int | None = None
+        self._copier: Copier | None = None  # the source ranges, copied while the caller goes on
         self._closed = False
         self._graphs: list[Path] = []  # written so far; removed again by abort()
         self._end = 0
@@ -121,11 +123,17 @@ class WeightWriter:
         return proto
 
     def close(self) -> None:
-        """Fsync and move the weights file into place (nothing is created if empty)."""
+        """Finish the copies, fsync and move the weights file into place (nothing is created if
+        empty); on an error, `abort`."""
         self._closed = True
         if self._fd is None:
             return
-        os.fsync(self._fd)
+        try:
+            self._copier.finish()
+            os.fsync(self._fd)
+        except BaseException:
+            self.abort()
+            raise
         os.close(self._fd)
         self._fd = None
         os.replace(self._tmp, self.path)
@@ -136,6 +144,7 @@ class WeightWriter:
         for path in self._graphs:
             path.unlink(missing_ok=True)
         if self._fd is not None:
+            self._copier.cancel()
             os.close(self._fd)
             self._fd = None
             self._tmp.unlink(missing_ok=True)
@@ -191,6 +200,7 @@ class WeightWriter:
             self._by_sample[key] = [append()]
             return self._by_sample[key][0]
         for start in pending:  # same length and sample: hash both sides from now on
+            self._copier.wait(start + n)
             self._by_digest.setdefault((self._digest_at(self._fd, start, n), n), start)
         pending.clear()
         key = (digest(), n)
@@ -199,9 +209,11 @@ class WeightWriter:
         return self._by_digest[key]
 
     def _append(self, data: memoryview) -> int:
-        start = self._aligned_end()
-        _write_all(self._fd, data)
-        self._end = start + data.nbytes
+        start, done = self._aligned_end(), 0
+        view = memoryview(data).cast("B")
+        while done < view.nbytes:
+            done += os.pwrite(self._fd, view[done:], start + done)
+        self._end = start + done
         return start
 
     @staticmethod
@@ -212,9 +224,10 @@ class WeightWriter:
             digest.update(os.pread(fd, min(CHUNK, start + nbytes - at), at))
         return digest.digest()
 
-    def _copy(self, fd: int, offset: int, nbytes: int) -> int:
+    def _copy(self, fd: int, offset: int, nbytes: int, what: str) -> int:
+        """Where `nbytes` of the open source `fd` land; the copy itself is queued (`mtkc.ir.copier`)."""
         start = self._aligned_end()
-        copy_range(fd, self._fd, offset, nbytes)
+        self._copier.put(fd, offset, nbytes, start, what)
         self._end = start + nbytes
         return start
 
@@ -238,7 +251,8 @@ class WeightWriter:
                     fd, edge = f.fileno(), min(SAMPLE, nbytes)
                     self._by_source[key] = self._dedup(
                         nbytes, lambda: _sample(os.pread(fd, edge, offset), os.pread(fd, edge, offset + nbytes - edge)),
-                        lambda: self._digest_at(fd, offset, nbytes), lambda: self._copy(fd, offset, nbytes))
+                        lambda: self._digest_at(fd, offset, nbytes),
+                        lambda: self._copy(fd, offset, nbytes, f"{root / location}: tensor '{proto.name}'"))
         except (ExternalDataError, OSError) as exc:
             raise InputError(f"{root / location}: tensor '{proto.name}': {exc}") from None
         return _reference(proto.name, proto.data_type, list(proto.dims), self.filename, self._by_source[key], nbytes)
@@ -254,12 +268,10 @@ class WeightWriter:
         return self._source_ids[key]
 
     def _aligned_end(self) -> int:
-        """Pad the file to the next aligned offset (opening it first); returns that offset."""
+        """The next aligned offset (the file opened first); the padding before it stays a hole, read as zeros."""
         if self._fd is None:
             self._open()
-        pad = -self._end % self.align
-        _write_all(self._fd, b"\0" * pad)
-        self._end += pad
+        self._end += -self._end % self.align
         return self._end
 
     def _open(self) -> None:
@@ -268,6 +280,7 @@ class WeightWriter:
         self._tmp = self.out_dir / f".{self.filename}.tmp-{os.getpid()}"
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         self._fd = os.open(self._tmp, flags, 0o644)
+        self._copier = Copier(self._fd)
 
 
 def save(graph: gs.Graph, root: str | os.PathLike, path: str | os.PathLike, opset: int | None = None) -> onnx.ModelProto:
@@ -291,35 +304,8 @@ def _bytes_of(array: np.ndarray) -> memoryview:
     return memoryview(flat.view(np.uint8))
 
 
-def _write_all(fd: int, data) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        view = view[os.write(fd, view):]
-
-
 def _sample(head, tail) -> bytes:
     return hashlib.sha256(head).digest() + hashlib.sha256(tail).digest()
-
-
-def copy_range(src: int, dst: int, offset: int, nbytes: int) -> None:
-    """Append `nbytes` of `src` from `offset` to `dst`: in-kernel when possible, else in chunks."""
-    done = 0
-    if hasattr(os, "copy_file_range"):
-        try:
-            while done < nbytes:
-                n = os.copy_file_range(src, dst, min(CHUNK, nbytes - done), offset + done)
-                if n == 0:
-                    raise ExternalDataError("external data is truncated")
-                done += n
-            return
-        except OSError:  # EXDEV, ENOSYS, EINVAL on some file systems: copy by hand
-            pass
-    while done < nbytes:
-        block = os.pread(src, min(CHUNK, nbytes - done), offset + done)
-        if not block:
-            raise ExternalDataError("external data is truncated")
-        _write_all(dst, block)
-        done += len(block)
 
 
 def _file_id(path: Path) -> tuple[int, int] | None:

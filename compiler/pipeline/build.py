@@ -99,14 +99,17 @@ class Build:
 
 def build(model: Model, options: Options, table, observe: Callable[[Pass, gs.Graph, bool], None] | None = None,
           raw: bool = True, suggest: bool = False, decoder: DecoderMap | None = None,
-          ahead: Ahead | None = None) -> Build:
+          ahead: Ahead | None = None, built: Callable[[GraphVariant], None] | None = None) -> Build:
     """Everything compile decides for `model` (its graph is the first variant's, rewritten in place).
 
     `observe(pass, graph, touched)` runs after every pass of the first graph (`run_pipeline`). `suggest`:
     also try the other value of a choice the user made, and say when it places better (`check`).
     `decoder`: the input's DecoderMap, when the caller has it. `ahead`: the graphs after the first,
-    built meanwhile elsewhere (their placements only: `check`'s `mtkc.pipeline.worker`).
+    built meanwhile elsewhere (their placements only: `check`'s `mtkc.pipeline.worker`). `built(variant)`
+    runs on each graph this process builds, in order, as soon as it is built (compile writes it while
+    the next one builds).
     """
+    built = built or (lambda variant: None)
     result = Build(options, [], decoder=decoder or decoder_map(model.graph))
     if raw and isinstance(table, Table):
         result.raw, result.unbound = raw_assessment(model.copy(), table, options)
@@ -115,6 +118,7 @@ def build(model: Model, options: Options, table, observe: Callable[[Pass, gs.Gra
     spare = model.copy() if rest and ahead is None else None  # the input's graph, copied before a pass touches it
     result.variants.append(_best_first(model, first.name, options.replace(**first.options), table, observe, result,
                                        suggest))
+    built(result.variants[0])
     placed = ahead.collect(result.options.rope_mode) if ahead is not None else None
     if placed is not None:
         result.variants += placed
@@ -123,6 +127,7 @@ def build(model: Model, options: Options, table, observe: Callable[[Pass, gs.Gra
     for i, variant in enumerate(rest, 1):  # with the choices made on the first graph
         start = spare if i == len(rest) else spare.copy()
         result.variants.append(build_graph(start, variant.name, result.options.replace(**variant.options), table, None))
+        built(result.variants[-1])
     return result
 
 

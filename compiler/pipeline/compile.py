@@ -3,9 +3,12 @@
     load ─► build (defaults, choices, per graph: pipeline ─► partitions)
          ─► write every graph through one WeightWriter + host tables + manifest ─► hand-off
 
-Every file (graphs, weights, manifest, reports, convert.sh, converter logs) is written into a
-sibling staging folder swapped into place at the end (`mtkc.backend.staging`): OUT is complete or
-the previous OUT is intact; an existing OUT is only replaced with `overwrite`. Without an OUT,
+Each graph is written as soon as it is built, so its weights copy (I/O, on the WeightWriter's
+thread) while the next graph builds; when OUT's parent folder does not exist yet, only once every
+graph is built, so a failing build creates no folder. Every file (graphs, weights, manifest,
+reports, convert.sh, converter logs) is written into a sibling staging folder swapped into place at
+the end (`mtkc.backend.staging`): OUT is complete or the previous OUT is intact; an existing OUT is
+only replaced with `overwrite`. Without an OUT,
 `default_output` names a new folder in the current directory (never an existing one).
 Same input + options -> byte-identical model, weights, manifest.
 """
@@ -24,7 +27,7 @@ import onnx_graphsurgeon as gs
 from mtkc import __version__
 from mtkc.backend import manifest
 from mtkc.backend.deliver import finish
-from mtkc.backend.staging import check_target, staged
+from mtkc.backend.staging import Stage, check_target, disk_errors
 from mtkc.display import Progress
 from mtkc.errors import InputError
 from mtkc.ir.graph_utils import tensor_map
@@ -70,7 +73,15 @@ def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.Pat
     _check_out(out, model, options.overwrite)
     if table is None:
         table = load_table(sdk, options.arch)
-    result = build(model, options, table)
+    output = _Output(out, options.overwrite, model.root)
+    try:
+        return _compile(model, options, table, output)
+    finally:
+        output.discard()  # after a publish: the previous OUT; else the unpublished staging
+
+
+def _compile(model: Model, options: Options, table, output: _Output) -> CompileResult:
+    result = build(model, options, table, built=output.early)
     if result.bound:
         log.info("mtkc: bound dims the options left open to MediaTek's LLM defaults: %s (set %s to choose)",
                  ", ".join(f"{k}={v}" for k, v in result.bound.items()),
@@ -97,14 +108,16 @@ def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.Pat
         passes=[r.stats() for v in variants for r in v.compiled.records],
     )
     report = _report(model, variants, data["coverage"])
-    with staged(out, options.overwrite) as stage:  # OUT: all of this, or the previous OUT
-        _write(stage, variants, data, tables, model.root)
+    stage = output.complete(variants, data, tables)
+    with disk_errors(output.out):
         error = finish(stage, data, report, {v.name: (v.graph, v.split) for v in variants}, model.path,
                        getattr(table, "converter", None), options.converter_cmd, options.no_convert,
                        options.converter_timeout)
+    output.stage.publish()  # OUT: all of this, or the previous OUT
     if error is not None:
         raise error  # exit 3 after the rename: OUT is complete, its logs/ say what the converter said
-    return CompileResult(out, data, report, [r for v in variants for r in v.compiled.records], variants, result)
+    return CompileResult(output.out, data, report, [r for v in variants for r in v.compiled.records], variants,
+                         result)
 
 
 def _wiring(variants: list[GraphVariant]) -> dict[str, dict[str, dict]]:
@@ -168,15 +181,52 @@ def _external_files(model: Model) -> list[Path]:
     return sorted(files)
 
 
-def _write(stage: Path, variants: list[GraphVariant], data: dict, tables: dict, root: Path) -> None:
-    """Every graph, partition and host table into the staging folder (the text files: `deliver.finish`)."""
-    files = sum(1 + len(v.split.pieces if v.split else []) for v in variants)
-    with WeightWriter(stage, WEIGHTS_FILE) as writer, Progress("write", total=files, unit="file") as progress:
-        for variant in variants:
-            writer.export(variant.graph, root, stage / f"{variant.name}.onnx")
-            progress.advance()
-            for piece in variant.split.pieces if variant.split else []:
-                writer.export(piece.graph, root, stage / piece.entry["path"])
-                progress.advance()
-    if tables:
-        data["host"] = write_host_tables(stage, tables)
+class _Output:
+    """OUT while it is written: the staging folder and the shared weights file, opened by the first
+    graph written (see the module docstring for when that is)."""
+
+    def __init__(self, out: Path, overwrite: bool, root: Path):
+        self.out, self.overwrite, self.root = out, overwrite, root
+        self.eager = Path(os.path.abspath(out)).parent.is_dir()
+        self.stage: Stage | None = None
+        self.writer: WeightWriter | None = None
+        self.written = 0  # graphs written, in build order
+
+    def early(self, variant: GraphVariant) -> None:
+        """`build`'s `built`: write the graph now when OUT's parent folder exists."""
+        if self.eager:
+            self._add(variant)
+
+    def complete(self, variants: list[GraphVariant], data: dict, tables: dict) -> Path:
+        """The graphs not written yet, the weights file closed (its copies done), the host tables;
+        returns the staging folder."""
+        files = [1 + len(v.split.pieces if v.split else []) for v in variants]
+        with disk_errors(self.out), Progress("write", total=sum(files), unit="file") as progress:
+            progress.advance(sum(files[:self.written]))
+            for variant in variants[self.written:]:
+                self._add(variant, progress)
+            self.writer.close()
+            self.writer = None  # closed: the file stays
+            if tables:
+                data["host"] = write_host_tables(self.stage.path, tables)
+        return self.stage.path
+
+    def discard(self) -> None:
+        """Whatever was not published: the weights file's copies stopped, the staging folder removed."""
+        if self.writer is not None:
+            self.writer.abort()
+        if self.stage is not None:
+            self.stage.discard()
+
+    def _add(self, variant: GraphVariant, progress: Progress | None = None) -> None:
+        """Every graph and partition of `variant` into the staging folder."""
+        with disk_errors(self.out):
+            if self.stage is None:
+                self.stage = Stage(self.out, self.overwrite)
+                self.writer = WeightWriter(self.stage.path, WEIGHTS_FILE)
+            pieces = variant.split.pieces if variant.split else []
+            for graph, name in [(variant.graph, f"{variant.name}.onnx"), *((p.graph, p.entry["path"]) for p in pieces)]:
+                self.writer.export(graph, self.root, self.stage.path / name)
+                if progress is not None:
+                    progress.advance()
+        self.written += 1

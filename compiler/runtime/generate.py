@@ -34,8 +34,8 @@ from mtkc.contract import cache as layouts
 from mtkc.contract import io, mask, positions
 from mtkc.errors import InputError
 from mtkc.ir.model import ExternalValues, external_info
+from mtkc.ir.copier import copy_range
 from mtkc.ir.model_checks import ExternalDataError, external_fields, external_size, open_external
-from mtkc.ir.weights import copy_range
 from mtkc.ir.outdir import check_graph_file, confined, load_table, read_manifest
 from mtkc.options import Layer, build
 from mtkc.runtime.sessions import Sessions

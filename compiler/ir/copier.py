@@ -1,0 +1,169 @@
+"""Copy byte ranges of the source model's weight files into a weights file, on a thread of its own.
+
+    copier = Copier(fd)                       # fd: the weights file being written
+    copier.put(src, offset, nbytes, at, what) # queued (src duplicated); returns at once
+    ...                                       # the caller goes on (its next graph's passes)
+    copier.wait(end)                          # every byte below `end` queued so far is written
+    copier.finish()                           # all written and synced; the first error raised
+
+The copies are I/O (`copy_file_range` in the kernel; the GIL is released), so they overlap the
+caller's CPU work. Each lands at the offset the caller assigned (`pwrite` semantics), so the file
+is the same whatever the timing. The thread touches Python as little as it can (one call per
+copy, a duplicate of the caller's open source file): each time it takes the GIL back from a busy
+caller it may wait a switch interval. At most `QUEUED` copies wait (each holds a descriptor). When its queue runs dry the thread syncs the data written so far,
+so the caller's final fsync is short. A copy that fails (the source truncated or unreadable, the
+disk full) stops the rest; `wait` / `finish` raise it as an InputError naming the source file and
+tensor, as a synchronous copy would have.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+
+from mtkc.errors import InputError
+from mtkc.ir.model_checks import ExternalDataError
+
+CHUNK = 16 << 20  # bytes per read when the kernel cannot copy
+KERNEL_CHUNK = 1 << 30  # bytes per copy_file_range call
+
+
+def _queued() -> int:
+    """Copies allowed to wait: a quarter of the descriptors this process may open, 16 to 4096."""
+    try:
+        import resource
+    except ImportError:
+        return 64
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return 4096 if soft == resource.RLIM_INFINITY else min(4096, max(16, soft // 4))
+
+
+QUEUED = _queued()
+
+
+class Copier:
+    """One thread copying queued ranges into `fd`, in the order queued (started on the first `put`)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self._jobs: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._running: int | None = None  # where the copy under way lands
+        self._stop = False
+
+    def put(self, src: int, offset: int, nbytes: int, at: int, what: str) -> None:
+        """Queue `nbytes` of the open file `src` from `offset`, to land at `at` in the weights file;
+        `what` names the source in an error (`file: tensor 'name'`)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._error is not None or len(self._jobs) < QUEUED)
+            self._raise()
+            self._jobs.append((os.dup(src), offset, nbytes, at, what))
+            self._cond.notify()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="mtkc-weights", daemon=True)
+            self._thread.start()
+
+    def wait(self, end: int) -> None:
+        """Block until no queued or running copy lands below `end`; the first error raised."""
+        def clear() -> bool:
+            return self._error is not None or not (
+                (self._running is not None and self._running < end) or any(job[3] < end for job in self._jobs))
+
+        with self._cond:
+            self._cond.wait_for(clear)
+            self._raise()
+
+    def finish(self) -> None:
+        """Every queued copy written and synced, the thread gone; the first error raised."""
+        self._end(drop=False)
+        self._raise()
+
+    def cancel(self) -> None:
+        """Drop what is queued, let the copy under way end, end the thread (errors dropped)."""
+        self._end(drop=True)
+
+    def _end(self, drop: bool) -> None:
+        with self._cond:
+            if drop:
+                self._drop()
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        synced = True
+        while True:
+            with self._cond:
+                if synced or self._jobs or self._stop:
+                    self._cond.wait_for(lambda: self._jobs or self._stop)
+                    if not self._jobs:
+                        return
+                    job = self._jobs.popleft()
+                    self._running = job[3]
+                else:
+                    job = None
+            error = self._copy(*job) if job is not None else self._sync()
+            synced = job is None
+            with self._cond:
+                self._running = None
+                if error is not None:
+                    self._error, self._stop = error, True
+                    self._drop()
+                self._cond.notify_all()
+
+    def _drop(self) -> None:
+        while self._jobs:
+            os.close(self._jobs.popleft()[0])
+
+    def _sync(self) -> BaseException | None:
+        """The queue ran dry: sync what was written (a full disk may only say so here: raised as is,
+        as the caller's own fsync would have been)."""
+        try:
+            os.fdatasync(self.fd)
+        except OSError as exc:
+            return exc
+        return None
+
+    def _copy(self, src: int, offset: int, nbytes: int, at: int, what: str) -> BaseException | None:
+        try:
+            copy_range(src, self.fd, offset, nbytes, at)
+        except (ExternalDataError, OSError) as exc:
+            return InputError(f"{what}: {exc}")
+        except BaseException as exc:  # a bug: raised in the caller's thread as it is
+            return exc
+        finally:
+            os.close(src)
+        return None
+
+
+def copy_range(src: int, dst: int, offset: int, nbytes: int, at: int | None = None) -> None:
+    """Copy `nbytes` of `src` from `offset` to `dst` at `at` (None: at its file position), in the
+    kernel when possible, else in chunks."""
+    done = 0
+    if hasattr(os, "copy_file_range"):
+        try:
+            while done < nbytes:
+                n = os.copy_file_range(src, dst, min(KERNEL_CHUNK, nbytes - done), offset + done,
+                                       None if at is None else at + done)
+                if n == 0:
+                    raise ExternalDataError("external data is truncated")
+                done += n
+            return
+        except OSError:  # EXDEV, ENOSYS, EINVAL on some file systems: copy by hand
+            pass
+    while done < nbytes:
+        block = os.pread(src, min(CHUNK, nbytes - done), offset + done)
+        if not block:
+            raise ExternalDataError("external data is truncated")
+        view = memoryview(block)
+        while view:
+            n = os.write(dst, view) if at is None else os.pwrite(dst, view, at + done)
+            view, done = view[n:], done + n

@@ -1,0 +1,182 @@
+"""The weights file's copies run on a thread (`mtkc.ir.copier`) while compile builds the next graph:
+the file is the same whatever the timing, a failed copy is the error a synchronous one was, and a
+compile that fails after its first graph was written leaves nothing behind."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import pytest
+
+from mtkc.errors import InputError
+from mtkc.ir import copier, weights
+from mtkc.ir.model_checks import ExternalDataError
+from mtkc.pipeline import build as B
+from mtkc.pipeline.compile import compile_model
+
+RNG = np.random.default_rng(3)
+
+
+def _external(name: str, array: np.ndarray, location: str) -> onnx.TensorProto:
+    t = onnx.TensorProto(name=name, data_type=onnx.TensorProto.FLOAT, dims=array.shape,
+                         data_location=onnx.TensorProto.EXTERNAL)
+    for key, value in (("location", location), ("offset", "0"), ("length", str(array.nbytes))):
+        entry = t.external_data.add()
+        entry.key, entry.value = key, value
+    return t
+
+
+def _graph_of(folder, tensors: dict[str, np.ndarray]) -> gs.Graph:
+    """Y_i = Identity(T_i), each T_i external in its own file under `folder`."""
+    nodes, outputs = [], []
+    for name, array in tensors.items():
+        (folder / f"{name}.bin").write_bytes(array.tobytes())
+        const = gs.Constant(name, gs.ir.tensor.LazyValues(_external(name, array, f"{name}.bin")))
+        y = gs.Variable(f"Y_{name}", np.float32, array.shape)
+        nodes.append(gs.Node("Identity", name=f"id_{name}", inputs=[const], outputs=[y]))
+        outputs.append(y)
+    return gs.Graph(nodes=nodes, outputs=outputs, opset=17)
+
+
+def _slow_copies(monkeypatch, seconds: float = 0.2):
+    real = copier.copy_range
+
+    def slow(*args):
+        time.sleep(seconds)
+        return real(*args)
+
+    monkeypatch.setattr(copier, "copy_range", slow)
+
+
+def test_equal_tensors_from_two_files_are_stored_once_even_while_the_first_is_still_copying(tmp_path, monkeypatch):
+    # B's head and tail match A's: dedup reads A back from the weights file, so it must wait for A's copy
+    a = RNG.standard_normal(4096).astype(np.float32)
+    other = a.copy()
+    other[2000] += 1.0  # same length, head and tail, other middle: stored too
+    src = tmp_path / "src"
+    src.mkdir()
+    graph = _graph_of(src, {"A": a, "B": a.copy(), "C": other})
+    _slow_copies(monkeypatch)
+    proto = weights.save(graph, src, tmp_path / "out" / "model.onnx")
+    offsets = {t.name: {e.key: e.value for e in t.external_data}["offset"] for t in _initializers(proto)}
+    assert offsets["A"] == offsets["B"] != offsets["C"]
+    data = (tmp_path / "out" / "model.onnx.data").read_bytes()
+    assert data == a.tobytes() + other.tobytes()  # 16384 bytes each, aligned: no padding
+
+
+def _initializers(proto):
+    for node in proto.graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.TENSOR:
+                yield attr.t
+    yield from proto.graph.initializer
+
+
+def test_a_copy_that_fails_on_the_thread_names_the_tensor_and_leaves_nothing(tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    src.mkdir()
+    graph = _graph_of(src, {"A": RNG.standard_normal(1024).astype(np.float32)})
+
+    def truncated(*args):
+        raise ExternalDataError("external data is truncated")
+
+    monkeypatch.setattr(copier, "copy_range", truncated)
+    out = tmp_path / "out"
+    with pytest.raises(InputError, match=r"src/A\.bin: tensor 'A': external data is truncated"):
+        weights.save(graph, src, out / "model.onnx")
+    assert os.listdir(out) == []
+
+
+def test_a_full_disk_the_idle_sync_reports_is_raised_as_the_os_said(tmp_path, monkeypatch):
+    (tmp_path / "src").write_bytes(b"x" * 4096)
+    synced = threading.Event()
+
+    def full(fd):
+        synced.set()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(copier.os, "fdatasync", full)
+    with open(tmp_path / "src", "rb") as src, open(tmp_path / "dst", "wb") as dst:
+        c = copier.Copier(dst.fileno())
+        c.put(src.fileno(), 0, 4096, 0, "src")
+        assert synced.wait(10)  # the queue ran dry: the thread synced
+        with pytest.raises(OSError, match="No space left"):
+            c.finish()
+    assert (tmp_path / "dst").read_bytes() == b"x" * 4096
+
+
+def test_a_cancelled_copier_stops_and_closes_what_it_held(tmp_path, monkeypatch):
+    (tmp_path / "src").write_bytes(b"y" * 4096)
+    _slow_copies(monkeypatch, 0.1)
+    before = len(os.listdir("/proc/self/fd"))
+    with open(tmp_path / "src", "rb") as src, open(tmp_path / "dst", "wb") as dst:
+        c = copier.Copier(dst.fileno())
+        for i in range(20):
+            c.put(src.fileno(), 0, 4096, i * 4096, "src")
+        c.cancel()  # the copy under way ends, the 19 queued are dropped
+        assert not c._thread.is_alive()
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert os.path.getsize(tmp_path / "dst") <= 2 * 4096
+
+
+@pytest.fixture
+def kv_model(exported):
+    return exported("qwen2", "legacy17", cache=True)
+
+
+def _listing(folder):
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*"))
+
+
+def _fail_second_graph(monkeypatch):
+    real, calls = B.build_graph, []
+
+    def build_graph(*args, **kwargs):
+        calls.append(args[1])
+        if args[1] == "decode":
+            raise InputError(f"graph '{args[1]}': refused for the test")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(B, "build_graph", build_graph)
+    return calls
+
+
+def test_a_later_graph_failing_after_the_first_was_written_leaves_nothing(kv_model, tmp_path, monkeypatch):
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    stages = []
+    real_export = weights.WeightWriter.export
+
+    def export(self, graph, root, path, opset=None):
+        stages.append(os.listdir(path.parent))  # the first graph is written before the second is built
+        return real_export(self, graph, root, path, opset)
+
+    monkeypatch.setattr(weights.WeightWriter, "export", export)
+    calls = _fail_second_graph(monkeypatch)
+    options = {"seq_len": 8, "cache_len": 16, "no_convert": True}
+    with pytest.raises(InputError, match="refused for the test"):
+        compile_model(kv_model, "8.0", parent / "out", options)
+    assert calls == ["prefill", "decode"] and stages  # prefill went to the staging folder first
+    assert _listing(parent) == []  # no OUT, no staging, no weights file
+    missing = tmp_path / "missing" / "deeper"
+    with pytest.raises(InputError, match="refused for the test"):
+        compile_model(kv_model, "8.0", missing / "out", options)
+    assert not (tmp_path / "missing").exists()  # no parent folder was made for a build that failed
+
+
+def test_writing_each_graph_as_it_is_built_gives_the_bytes_of_writing_them_at_the_end(kv_model, tmp_path):
+    options = {"seq_len": 8, "cache_len": 16, "no_convert": True}
+    (tmp_path / "here").mkdir()
+    early = compile_model(kv_model, "8.0", tmp_path / "here" / "out", options).out_dir  # parent exists: eager
+    late = compile_model(kv_model, "8.0", tmp_path / "new" / "out", options).out_dir  # parent made at the end
+    files = _listing(early)
+    assert files == _listing(late) and "weights.bin" in files and "decode.onnx" in files
+    for name in files:
+        if (early / name).is_file() and name != "report.json":  # report.json carries pass timings
+            assert (early / name).read_bytes() == (late / name).read_bytes(), name
