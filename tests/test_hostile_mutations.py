@@ -18,7 +18,7 @@ import onnx
 import pytest
 from hostile_kit import (assert_contract, calibrate_by_hand, make_model, make_tokenizer, run_cli, save, snapshot, tiny,
                          with_cpu_node)
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
@@ -129,8 +129,19 @@ def _compile_mutated(seed: int, mutations) -> None:
 
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.integers(0, len(SEEDS) - 1), MUTATIONS)
+@example(0, [("retype-graph-input", 0, 37)])  # bfloat16: graphsurgeon keeps ONNX's number, numpy has no name
 def test_mutated_models_exit_0_or_2(seed, mutations):
     _compile_mutated(seed, mutations)
+
+
+def test_a_bfloat16_input_beside_float32_is_named_as_the_mix(tmp_path):
+    model = tiny()
+    _mutate(model, "retype-graph-input", 0, DTYPES.index(TensorProto.BFLOAT16))
+    path = tmp_path / "m.onnx"
+    path.write_bytes(model.SerializeToString())
+    r = run_cli(["compile", path, "--sdk", "8.0", "-o", tmp_path / "out", "--no-convert"])
+    assert r.code == 2 and "mixes bfloat16 and float32 inputs" in r.err, r.err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow

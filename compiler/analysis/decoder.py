@@ -26,6 +26,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from mtkc.ir.constants import constant_of
+from mtkc.ir.graph_utils import dtype_of
 
 REACH = 32  # nodes one bounded walk may visit
 FUSED_ATTENTION = {"Attention", "MultiHeadAttention", "GroupQueryAttention", "PackedAttention"}
@@ -521,7 +522,7 @@ def _mlp(layer: Layer, mid: gs.Tensor, post: gs.Tensor | None, stop: gs.Node | N
 # -- global ---------------------------------------------------------------------------------------
 def _globals(dm: DecoderMap, graph: gs.Graph) -> None:
     for t in graph.inputs:
-        dtype = np.dtype(t.dtype) if t.dtype is not None else None
+        dtype = dtype_of(t)  # None for a type numpy has no name for (bfloat16 as graphsurgeon leaves it)
         lookup = next((u for u in t.outputs if u.op in ("Gather", "GatherBlockQuantized")
                        and u.inputs[1] is t), None)
         if lookup is not None and dtype is not None and dtype.kind in "iu":
@@ -559,5 +560,5 @@ def _globals(dm: DecoderMap, graph: gs.Graph) -> None:
 
 def padding_mask(graph: gs.Graph) -> gs.Variable | None:
     """The 2-D integer padding-mask input ([batch, total]: an exporter's `attention_mask`), else None."""
-    return next((t for t in graph.inputs if "mask" in t.name and t.dtype is not None
-                 and np.issubdtype(np.dtype(t.dtype), np.integer) and t.shape is not None and len(t.shape) == 2), None)
+    return next((t for t in graph.inputs if "mask" in t.name and dtype_of(t) is not None
+                 and np.issubdtype(dtype_of(t), np.integer) and t.shape is not None and len(t.shape) == 2), None)

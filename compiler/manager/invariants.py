@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 from numbers import Integral
 
+import onnx
 import onnx_graphsurgeon as gs
 
 import numpy as np
@@ -182,8 +183,16 @@ def check_dtypes(graph: gs.Graph, p=None, error: type[MtkcError] | None = None) 
 
 @functools.cache
 def _float_name(dtype) -> str | None:
-    """numpy's name of a float dtype, None for any other."""
-    return np.dtype(dtype).name if np.issubdtype(np.dtype(dtype), np.floating) else None
+    """numpy's name of a float dtype (ONNX's for one numpy has no name for, as graphsurgeon leaves
+    bfloat16), None for any other."""
+    try:
+        return np.dtype(dtype).name if np.issubdtype(np.dtype(dtype), np.floating) else None
+    except TypeError:
+        try:
+            name = onnx.TensorProto.DataType.Name(int(dtype)).lower()
+        except (TypeError, ValueError):
+            return None
+        return name if "float" in name else None
 
 
 def io_contract(graph: gs.Graph) -> tuple[list[tuple], list[tuple]]:
