@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 import threading
 import time
 
@@ -103,8 +104,8 @@ def test_a_full_disk_the_idle_sync_reports_is_raised_as_the_os_said(tmp_path, mo
 
     monkeypatch.setattr(copier.os, "fdatasync", full)
     with open(tmp_path / "src", "rb") as src, open(tmp_path / "dst", "wb") as dst:
-        c = copier.Copier(dst.fileno())
-        c.put(src.fileno(), 0, 4096, 0, "src")
+        c = copier.Copier()
+        c.put(src.fileno(), dst.fileno(), 0, 4096, 0, "src")
         assert synced.wait(10)  # the queue ran dry: the thread synced
         with pytest.raises(OSError, match="No space left"):
             c.finish()
@@ -116,9 +117,9 @@ def test_a_cancelled_copier_stops_and_closes_what_it_held(tmp_path, monkeypatch)
     _slow_copies(monkeypatch, 0.1)
     before = len(os.listdir("/proc/self/fd"))
     with open(tmp_path / "src", "rb") as src, open(tmp_path / "dst", "wb") as dst:
-        c = copier.Copier(dst.fileno())
+        c = copier.Copier()
         for i in range(20):
-            c.put(src.fileno(), 0, 4096, i * 4096, "src")
+            c.put(src.fileno(), dst.fileno(), 0, 4096, i * 4096, "src")
         c.cancel()  # the copy under way ends, the 19 queued are dropped
         assert not c._thread.is_alive()
     assert len(os.listdir("/proc/self/fd")) == before
@@ -180,3 +181,16 @@ def test_writing_each_graph_as_it_is_built_gives_the_bytes_of_writing_them_at_th
     for name in files:
         if (early / name).is_file() and name != "report.json":  # report.json carries pass timings
             assert (early / name).read_bytes() == (late / name).read_bytes(), name
+
+
+def test_the_switch_interval_is_short_only_while_copies_run(tmp_path, monkeypatch):
+    (tmp_path / "src").write_bytes(b"z" * 4096)
+    _slow_copies(monkeypatch, 0.1)
+    before = sys.getswitchinterval()
+    with open(tmp_path / "src", "rb") as src, open(tmp_path / "dst", "wb") as dst:
+        c = copier.Copier()
+        c.put(src.fileno(), dst.fileno(), 0, 4096, 0, "src")
+        assert sys.getswitchinterval() == min(before, copier.SWITCH_SECONDS)  # the copy is under way
+        c.finish()
+    assert sys.getswitchinterval() == before
+    assert (tmp_path / "dst").read_bytes() == b"z" * 4096

@@ -70,7 +70,8 @@ class WeightWriter:
         self.threshold = threshold
         self._tmp: Path | None = None
         self._fd: int | None = None
-        self._copier: Copier | None = None  # the source ranges, copied while the caller goes on
+        self._copier = Copier()  # the source ranges, copied while the caller goes on
+        self._streams: list[tuple[Path, int]] = []  # other files whose bytes the copier writes (`stream`)
         self._closed = False
         self._graphs: list[Path] = []  # written so far; removed again by abort()
         self._end = 0
@@ -126,28 +127,46 @@ class WeightWriter:
         """Finish the copies, fsync and move the weights file into place (nothing is created if
         empty); on an error, `abort`."""
         self._closed = True
-        if self._fd is None:
-            return
         try:
             self._copier.finish()
-            os.fsync(self._fd)
+            for fd in [fd for _, fd in self._streams] + ([self._fd] if self._fd is not None else []):
+                os.fsync(fd)
         except BaseException:
             self.abort()
             raise
-        os.close(self._fd)
-        self._fd = None
-        os.replace(self._tmp, self.path)
+        for _, fd in self._streams:
+            os.close(fd)
+        self._streams = []
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+            os.replace(self._tmp, self.path)
 
     def abort(self) -> None:
         """Drop the partial weights file and the graph files written so far."""
         self._closed = True
+        self._copier.cancel()
         for path in self._graphs:
             path.unlink(missing_ok=True)
+        for path, fd in self._streams:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+        self._streams = []
         if self._fd is not None:
-            self._copier.cancel()
             os.close(self._fd)
             self._fd = None
             self._tmp.unlink(missing_ok=True)
+
+    def stream(self, path: Path, head: bytes, src: int, offset: int, nbytes: int, what: str) -> None:
+        """Write `path` (a new file under out_dir, not a graph): `head`, then `nbytes` of the open
+        source `src` from `offset`, copied by the copier with the weights; synced by `close`,
+        removed by `abort`. `what` names the source in an error."""
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self._streams.append((Path(path), fd))
+        done = 0
+        while done < len(head):
+            done += os.pwrite(fd, memoryview(head)[done:], done)
+        self._copier.put(src, fd, offset, nbytes, len(head), what)
 
     # ------------------------------------------------------------------ one constant
 
@@ -200,7 +219,7 @@ class WeightWriter:
             self._by_sample[key] = [append()]
             return self._by_sample[key][0]
         for start in pending:  # same length and sample: hash both sides from now on
-            self._copier.wait(start + n)
+            self._copier.wait(self._fd, start + n)
             self._by_digest.setdefault((self._digest_at(self._fd, start, n), n), start)
         pending.clear()
         key = (digest(), n)
@@ -227,7 +246,7 @@ class WeightWriter:
     def _copy(self, fd: int, offset: int, nbytes: int, what: str) -> int:
         """Where `nbytes` of the open source `fd` land; the copy itself is queued (`mtkc.ir.copier`)."""
         start = self._aligned_end()
-        self._copier.put(fd, offset, nbytes, start, what)
+        self._copier.put(fd, self._fd, offset, nbytes, start, what)
         self._end = start + nbytes
         return start
 
@@ -280,7 +299,6 @@ class WeightWriter:
         self._tmp = self.out_dir / f".{self.filename}.tmp-{os.getpid()}"
         flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         self._fd = os.open(self._tmp, flags, 0o644)
-        self._copier = Copier(self._fd)
 
 
 def save(graph: gs.Graph, root: str | os.PathLike, path: str | os.PathLike, opset: int | None = None) -> onnx.ModelProto:

@@ -107,18 +107,21 @@ def build(model: Model, options: Options, table, observe: Callable[[Pass, gs.Gra
     `decoder`: the input's DecoderMap, when the caller has it. `ahead`: the graphs after the first,
     built meanwhile elsewhere (their placements only: `check`'s `mtkc.pipeline.worker`). `built(variant)`
     runs on each graph this process builds, in order, as soon as it is built (compile writes it while
-    the next one builds).
+    the next one builds); with it, the input's verdicts are taken after the first graph, not before.
     """
-    built = built or (lambda variant: None)
     result = Build(options, [], decoder=decoder or decoder_map(model.graph))
-    if raw and isinstance(table, Table):
-        result.raw, result.unbound = raw_assessment(model.copy(), table, options)
+    given, assess, writes = options, raw and isinstance(table, Table), built is not None and ahead is None
+    if assess and not writes:
+        result.raw, result.unbound = raw_assessment(model.copy(), table, given)
+    built = built or (lambda variant: None)
     result.bound, options, (first, *rest) = plan_graphs(model.graph, options, result.decoder)
     result.options = options
-    spare = model.copy() if rest and ahead is None else None  # the input's graph, copied before a pass touches it
+    spare = model.copy() if (rest or assess and writes) and ahead is None else None  # before a pass touches it
     result.variants.append(_best_first(model, first.name, options.replace(**first.options), table, observe, result,
                                        suggest))
     built(result.variants[0])
+    if assess and writes:  # after the first graph, whose weights copy meanwhile
+        result.raw, result.unbound = raw_assessment(spare.copy() if rest else spare, table, given)
     placed = ahead.collect(result.options.rope_mode) if ahead is not None else None
     if placed is not None:
         result.variants += placed

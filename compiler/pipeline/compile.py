@@ -91,10 +91,6 @@ def _compile(model: Model, options: Options, table, output: _Output) -> CompileR
     variants, options = result.variants, result.options
     for note in (n for r in variants[0].compiled.records if r.name in ("bind-shapes", "gqa") for n in r.notes):
         log.info("mtkc: %s", note)  # inputs the binding removed, options it ignored, a window the export dropped
-    tables: dict = {}
-    for v in variants:
-        for key, value in host_tables(v.compiled.records, v.compiled.model.values).items():
-            tables.setdefault(key, value)
     by_graph = {v.name: v.compiled.coverage for v in variants}
     known = [c for c in by_graph.values() if c is not None]
     wiring = _wiring(variants)
@@ -108,7 +104,7 @@ def _compile(model: Model, options: Options, table, output: _Output) -> CompileR
         passes=[r.stats() for v in variants for r in v.compiled.records],
     )
     report = _report(model, variants, data["coverage"])
-    stage = output.complete(variants, data, tables)
+    stage = output.complete(variants, data)
     with disk_errors(output.out):
         error = finish(stage, data, report, {v.name: (v.graph, v.split) for v in variants}, model.path,
                        getattr(table, "converter", None), options.converter_cmd, options.no_convert,
@@ -191,24 +187,25 @@ class _Output:
         self.stage: Stage | None = None
         self.writer: WeightWriter | None = None
         self.written = 0  # graphs written, in build order
+        self.host: dict[str, dict] = {}  # host tables written: the manifest's `host` entry
 
     def early(self, variant: GraphVariant) -> None:
         """`build`'s `built`: write the graph now when OUT's parent folder exists."""
         if self.eager:
             self._add(variant)
 
-    def complete(self, variants: list[GraphVariant], data: dict, tables: dict) -> Path:
-        """The graphs not written yet, the weights file closed (its copies done), the host tables;
-        returns the staging folder."""
+    def complete(self, variants: list[GraphVariant], data: dict) -> Path:
+        """The graphs not written yet, the weights file closed (its copies done), the manifest's
+        `host` entry; returns the staging folder."""
         files = [1 + len(v.split.pieces if v.split else []) for v in variants]
         with disk_errors(self.out), Progress("write", total=sum(files), unit="file") as progress:
             progress.advance(sum(files[:self.written]))
             for variant in variants[self.written:]:
                 self._add(variant, progress)
             self.writer.close()
-            self.writer = None  # closed: the file stays
-            if tables:
-                data["host"] = write_host_tables(self.stage.path, tables)
+            self.writer = None  # closed: the files stay
+        if self.host:
+            data["host"] = dict(sorted(self.host.items()))
         return self.stage.path
 
     def discard(self) -> None:
@@ -219,7 +216,8 @@ class _Output:
             self.stage.discard()
 
     def _add(self, variant: GraphVariant, progress: Progress | None = None) -> None:
-        """Every graph and partition of `variant` into the staging folder."""
+        """Every graph and partition of `variant` into the staging folder, and the host tables its
+        passes made that an earlier graph's did not."""
         with disk_errors(self.out):
             if self.stage is None:
                 self.stage = Stage(self.out, self.overwrite)
@@ -229,4 +227,7 @@ class _Output:
                 self.writer.export(graph, self.root, self.stage.path / name)
                 if progress is not None:
                     progress.advance()
+            tables = host_tables(variant.compiled.records, variant.compiled.model.values)
+            self.host.update(write_host_tables(self.stage.path, {k: t for k, t in tables.items() if k not in self.host},
+                                               self.writer))
         self.written += 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
+from io import BytesIO
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,10 +34,11 @@ import onnxruntime as ort
 from mtkc.contract import cache as layouts
 from mtkc.contract import io, mask, positions
 from mtkc.errors import InputError
-from mtkc.ir.model import ExternalValues, external_info
 from mtkc.ir.copier import copy_range
+from mtkc.ir.model import ExternalValues, external_info
 from mtkc.ir.model_checks import ExternalDataError, external_fields, external_size, open_external
 from mtkc.ir.outdir import check_graph_file, confined, load_table, read_manifest
+from mtkc.ir.weights import WeightWriter
 from mtkc.options import Layer, build
 from mtkc.runtime.sessions import Sessions
 
@@ -317,33 +319,41 @@ class WeightTable:
         return np.asarray(self.read_values(self.const), np.float32)
 
 
-def _stream_npy(table: WeightTable, path: Path) -> bool:
-    """Write a float32 external weight as .npy by copying its bytes (never held in memory);
-    False when it is not such a weight. Same bytes as `np.save` of its values."""
+def _stream_npy(table: WeightTable, path: Path, writer: WeightWriter | None = None) -> bool:
+    """Write a float32 external weight as .npy by copying its bytes (never held in memory; by
+    `writer`'s copier when given, `WeightWriter.stream`); False when it is not such a weight. Same
+    bytes as `np.save` of its values."""
     values = table.const._values
     if not isinstance(values, ExternalValues) or values.tensor.data_type != onnx.TensorProto.FLOAT:
         return False
     proto, location = values.tensor, external_info(values.tensor).get("location", "")
+    what = f"{values.root / location}: tensor '{proto.name}'"
+    head = BytesIO()
+    np.lib.format.write_array_header_1_0(head, {"descr": "<f4", "fortran_order": False, "shape": tuple(proto.dims)})
     try:
         _, offset, _ = external_fields(proto)
         remaining = external_size(proto)
-        with open_external(values.root, location) as src, open(path, "wb") as out:
-            np.lib.format.write_array_header_1_0(out, {"descr": "<f4", "fortran_order": False, "shape": tuple(proto.dims)})
-            out.flush()
-            copy_range(src.fileno(), out.fileno(), offset, remaining)  # in the kernel where it can
+        with open_external(values.root, location) as src:
+            if writer is not None:
+                writer.stream(path, head.getvalue(), src.fileno(), offset, remaining, what)
+                return True
+            with open(path, "wb") as out:
+                out.write(head.getvalue())
+                out.flush()
+                copy_range(src.fileno(), out.fileno(), offset, remaining)  # in the kernel where it can
     except (ExternalDataError, OSError) as exc:
-        raise InputError(f"{values.root / location}: tensor '{proto.name}': {exc}") from None
+        raise InputError(f"{what}: {exc}") from None
     return True
 
 
-def write_host_tables(out_dir: str | Path, tables: dict) -> dict[str, dict]:
-    """Save each table (an array, or a callable returning one) as `host/<name>.npy` under `out_dir`;
-    returns the manifest's `host` entry."""
+def write_host_tables(out_dir: str | Path, tables: dict, writer: WeightWriter | None = None) -> dict[str, dict]:
+    """Save each table (an array, or a callable returning one) as `host/<name>.npy` under `out_dir`
+    (a weight's bytes copied by `writer`'s copier when given); returns the manifest's `host` entry."""
     entries = {}
     for name, table in sorted(tables.items()):
         path = Path(out_dir) / "host" / f"{name}.npy"
         path.parent.mkdir(parents=True, exist_ok=True)
-        if isinstance(table, WeightTable) and _stream_npy(table, path):
+        if isinstance(table, WeightTable) and _stream_npy(table, path, writer):
             shape = list(table.const.shape)
             entries[name] = {"path": f"host/{name}.npy", "dtype": "float32", "shape": shape}
             continue
