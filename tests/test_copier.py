@@ -135,20 +135,21 @@ def _listing(folder):
     return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*"))
 
 
-def _fail_second_graph(monkeypatch):
+def _fail_second_graph(monkeypatch, error=InputError):
     real, calls = B.build_graph, []
 
     def build_graph(*args, **kwargs):
         calls.append(args[1])
         if args[1] == "decode":
-            raise InputError(f"graph '{args[1]}': refused for the test")
+            raise error(f"graph '{args[1]}': refused for the test")
         return real(*args, **kwargs)
 
     monkeypatch.setattr(B, "build_graph", build_graph)
     return calls
 
 
-def test_a_later_graph_failing_after_the_first_was_written_leaves_nothing(kv_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("error", [InputError, KeyboardInterrupt])
+def test_a_later_graph_failing_after_the_first_was_written_leaves_nothing(error, kv_model, tmp_path, monkeypatch):
     parent = tmp_path / "parent"
     parent.mkdir()
     stages = []
@@ -159,14 +160,15 @@ def test_a_later_graph_failing_after_the_first_was_written_leaves_nothing(kv_mod
         return real_export(self, graph, root, path, opset)
 
     monkeypatch.setattr(weights.WeightWriter, "export", export)
-    calls = _fail_second_graph(monkeypatch)
+    calls = _fail_second_graph(monkeypatch, error)
     options = {"seq_len": 8, "cache_len": 16, "no_convert": True}
-    with pytest.raises(InputError, match="refused for the test"):
+    with pytest.raises(error, match="refused for the test"):
         compile_model(kv_model, "8.0", parent / "out", options)
     assert calls == ["prefill", "decode"] and stages  # prefill went to the staging folder first
     assert _listing(parent) == []  # no OUT, no staging, no weights file
+    assert not [t for t in threading.enumerate() if t.name == "mtkc-weights"]  # its copies stopped
     missing = tmp_path / "missing" / "deeper"
-    with pytest.raises(InputError, match="refused for the test"):
+    with pytest.raises(error, match="refused for the test"):
         compile_model(kv_model, "8.0", missing / "out", options)
     assert not (tmp_path / "missing").exists()  # no parent folder was made for a build that failed
 
@@ -194,3 +196,17 @@ def test_the_switch_interval_is_short_only_while_copies_run(tmp_path, monkeypatc
         c.finish()
     assert sys.getswitchinterval() == before
     assert (tmp_path / "dst").read_bytes() == b"z" * 4096
+
+
+def test_a_cancel_stops_a_large_copy_between_pieces(tmp_path, monkeypatch):
+    (tmp_path / "src").write_bytes(bytes(64 * 1024))
+    monkeypatch.setattr(copier, "PIECE", 4096)
+    _slow_copies(monkeypatch, 0.05)  # 16 pieces: 0.8 s whole
+    with open(tmp_path / "src", "rb") as src, open(tmp_path / "dst", "wb") as dst:
+        c = copier.Copier()
+        c.put(src.fileno(), dst.fileno(), 0, 64 * 1024, 0, "src")
+        time.sleep(0.1)
+        started = time.perf_counter()
+        c.cancel()
+        assert time.perf_counter() - started < 0.3
+    assert os.path.getsize(tmp_path / "dst") < 64 * 1024

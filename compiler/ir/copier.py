@@ -35,6 +35,7 @@ from mtkc.ir.model_checks import ExternalDataError
 
 CHUNK = 16 << 20  # bytes per read when the kernel cannot copy
 KERNEL_CHUNK = 1 << 30  # bytes per copy_file_range call
+PIECE = 64 << 20  # bytes a cancel may wait for (a copy is made in pieces: Ctrl-C must end mtkc within a second)
 
 
 def _queued() -> int:
@@ -75,6 +76,7 @@ class Copier:
         self._running: tuple[int, int] | None = None  # (dst, at) of the copy under way
         self._unsynced: set[int] = set()
         self._stop = False
+        self._cancelled = False
 
     def put(self, src: int, dst: int, offset: int, nbytes: int, at: int, what: str) -> None:
         """Queue `nbytes` of the open file `src` from `offset`, to land at `at` in `dst`; `what`
@@ -110,7 +112,9 @@ class Copier:
         self._raise()
 
     def cancel(self) -> None:
-        """Drop what is queued, let the copy under way end, end the thread (errors dropped)."""
+        """Drop what is queued, stop the copy under way after its current piece, end the thread
+        (errors dropped)."""
+        self._cancelled = True
         self._end(drop=True)
 
     def _end(self, drop: bool) -> None:
@@ -173,10 +177,12 @@ class Copier:
             return exc
         return None
 
-    @staticmethod
-    def _copy(src: int, dst: int, offset: int, nbytes: int, at: int, what: str) -> BaseException | None:
+    def _copy(self, src: int, dst: int, offset: int, nbytes: int, at: int, what: str) -> BaseException | None:
         try:
-            copy_range(src, dst, offset, nbytes, at)
+            for done in range(0, nbytes, PIECE):
+                if self._cancelled:
+                    break
+                copy_range(src, dst, offset + done, min(PIECE, nbytes - done), at + done)
         except (ExternalDataError, OSError) as exc:
             return InputError(f"{what}: {exc}")
         except BaseException as exc:  # a bug: raised in the caller's thread as it is
