@@ -5,6 +5,7 @@ compile that fails after its first graph was written leaves nothing behind."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import sys
 import threading
@@ -210,3 +211,38 @@ def test_a_cancel_stops_a_large_copy_between_pieces(tmp_path, monkeypatch):
         c.cancel()
         assert time.perf_counter() - started < 0.3
     assert os.path.getsize(tmp_path / "dst") < 64 * 1024
+
+
+def test_an_external_data_export_compiles_to_the_bytes_of_its_inline_twin(kv_model, tmp_path):
+    # the twin's weights are copied file-to-file on the copier's thread; the inline export's are
+    # written from memory in the caller's (no copier): the same bytes make the two paths check each other
+    twin = tmp_path / "twin" / "model.onnx"
+    twin.parent.mkdir()
+    onnx.save(onnx.load(kv_model), twin, save_as_external_data=True, all_tensors_to_one_file=False, size_threshold=1024)
+    assert len(os.listdir(twin.parent)) > 10  # one file per weight, as the TorchScript exporter writes them
+    options = {"seq_len": 8, "cache_len": 16, "no_convert": True}
+    inline = compile_model(kv_model, "8.0", tmp_path / "inline", options).out_dir
+    external = compile_model(twin, "8.0", tmp_path / "external", options).out_dir
+    files = _listing(inline)
+    assert files == _listing(external) and "host/embedding.npy" in files
+    for name in files:
+        if (inline / name).is_file() and name not in ("report.json", "manifest.json"):  # the input's path, timings
+            assert (inline / name).read_bytes() == (external / name).read_bytes(), name
+    a, b = (json.loads((out / "manifest.json").read_text()) for out in (inline, external))
+    assert {k: v for k, v in a.items() if k != "model"} == {k: v for k, v in b.items() if k != "model"}
+
+
+def test_a_full_disk_during_a_copy_names_the_output_folder(kv_model, tmp_path, monkeypatch):
+    twin = tmp_path / "twin" / "model.onnx"
+    twin.parent.mkdir()
+    onnx.save(onnx.load(kv_model), twin, save_as_external_data=True, size_threshold=1024)
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(copier, "copy_range", full)
+    out = tmp_path / "here" / "out"
+    out.parent.mkdir()
+    with pytest.raises(InputError, match=r"here/out: cannot write the output folder: No space left on device"):
+        compile_model(twin, "8.0", out, {"seq_len": 8, "cache_len": 16, "no_convert": True})
+    assert _listing(out.parent) == []

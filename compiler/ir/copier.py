@@ -11,8 +11,9 @@ The copies are I/O (`copy_file_range` in the kernel; the GIL is released), so th
 caller's CPU work. Each lands at the offset the caller assigned (`pwrite` semantics), so a file
 is the same whatever the timing. When its queue runs dry the thread syncs the files it wrote, so
 the caller's final fsync is short. A copy that fails (the source truncated or unreadable, the disk
-full) stops the rest; `put` / `wait` / `finish` raise it as an InputError naming the source file
-and tensor, as a synchronous copy would have; a failed sync as the OSError it was.
+full) stops the rest; `put` / `wait` / `finish` raise it: a read error as an InputError naming the
+source file and tensor, a full or read-only disk (`OUTPUT_ERRNOS`) and a failed sync as the
+OSError they were, for the caller to name its output folder (`mtkc.backend.staging.disk_errors`).
 
 The thread touches Python as little as it can (one call per copy, on a duplicate of the caller's
 open source file), but each call takes the GIL back from a busy caller, which can take a whole
@@ -26,6 +27,7 @@ open until `finish` or `cancel` returns.
 from __future__ import annotations
 
 import collections
+import errno
 import os
 import sys
 import threading
@@ -49,6 +51,7 @@ def _queued() -> int:
 
 
 QUEUED = _queued()
+OUTPUT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}  # the written file's disk, not the source
 SWITCH_SECONDS = 0.0005
 _switch = {"threads": 0, "saved": None}  # copier threads running; the interval they replaced
 _switch_lock = threading.Lock()
@@ -183,7 +186,9 @@ class Copier:
                 if self._cancelled:
                     break
                 copy_range(src, dst, offset + done, min(PIECE, nbytes - done), at + done)
-        except (ExternalDataError, OSError) as exc:
+        except OSError as exc:
+            return exc if exc.errno in OUTPUT_ERRNOS else InputError(f"{what}: {exc}")
+        except ExternalDataError as exc:
             return InputError(f"{what}: {exc}")
         except BaseException as exc:  # a bug: raised in the caller's thread as it is
             return exc

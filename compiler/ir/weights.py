@@ -41,7 +41,7 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
 
 from mtkc.errors import InputError
-from mtkc.ir.copier import CHUNK, Copier
+from mtkc.ir.copier import CHUNK, OUTPUT_ERRNOS, Copier
 from mtkc.ir.model import constants, external_info
 from mtkc.ir.opset import axes_to_attributes
 from mtkc.ir.model_checks import (
@@ -273,6 +273,8 @@ class WeightWriter:
                         lambda: self._digest_at(fd, offset, nbytes),
                         lambda: self._copy(fd, offset, nbytes, f"{root / location}: tensor '{proto.name}'"))
         except (ExternalDataError, OSError) as exc:
+            if getattr(exc, "errno", None) in OUTPUT_ERRNOS:
+                raise  # the output's disk (a queued copy said so): the caller names its folder
             raise InputError(f"{root / location}: tensor '{proto.name}': {exc}") from None
         return _reference(proto.name, proto.data_type, list(proto.dims), self.filename, self._by_source[key], nbytes)
 
