@@ -1,5 +1,3 @@
-import sys
+from mtkc.cli import entry
 
-from mtkc.cli import main
-
-sys.exit(main())
+entry()
