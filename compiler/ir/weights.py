@@ -13,11 +13,12 @@ inline (a small external constant of the source model is read and inlined).
 Dedup: a lazy constant still backed by the source model's data (external, or inline left in the
 .onnx by `mtkc.ir.wire`) is identified first by its source (file identity, offset, length) and
 copied in-kernel, on a thread of its own (`mtkc.ir.copier`: the caller's next graph is built
-meanwhile; each copy lands at the offset assigned when it was queued); an inline source constant first by its TensorProto (the same object in every
-graph imported from one parsed file, `mtkc.ir.model.Model.fresh`). Then every constant (folded and
-rewritten ones too) by its bytes: length and a sample of head and tail pick the candidates, and
-only then are whole bytes hashed (SHA-256; the stored side is read back from the weights file,
-a source side from its file), so unique weights are never hashed.
+meanwhile; each copy lands at the offset assigned when it was queued); an inline source constant
+first by its TensorProto (the same object in every graph imported from one parsed file,
+`mtkc.ir.model.Model.fresh`). Then every constant (folded and rewritten ones too) by its bytes:
+length and a sample of head and tail pick the candidates, and only then are whole bytes hashed
+(SHA-256; the stored side is read back from the weights file once its copy has landed, a source
+side from its file), so unique weights are never hashed.
 Output is deterministic: same graphs in the same order -> byte-identical files.
 
 Safety: the weights file is written to a temporary name in `out_dir` and moved into place by

@@ -1,16 +1,17 @@
-"""`compile_model`: build in memory (`mtkc.pipeline.build`), then write the graph(s) and the manifest.
+"""`compile_model`: build in memory (`mtkc.pipeline.build`), writing each graph as it is built, then
+the manifest.
 
-    load ─► build (defaults, choices, per graph: pipeline ─► partitions)
-         ─► write every graph through one WeightWriter + host tables + manifest ─► hand-off
+    load ─► build (defaults, choices, per graph: pipeline ─► partitions ─► written: graph files,
+                   partitions, host tables through one WeightWriter)
+         ─► weights closed ─► manifest ─► hand-off
 
 Each graph is written as soon as it is built, so its weights copy (I/O, on the WeightWriter's
 thread) while the next graph builds; when OUT's parent folder does not exist yet, only once every
 graph is built, so a failing build creates no folder. Every file (graphs, weights, manifest,
 reports, convert.sh, converter logs) is written into a sibling staging folder swapped into place at
 the end (`mtkc.backend.staging`): OUT is complete or the previous OUT is intact; an existing OUT is
-only replaced with `overwrite`. Without an OUT,
-`default_output` names a new folder in the current directory (never an existing one).
-Same input + options -> byte-identical model, weights, manifest.
+only replaced with `overwrite`. Without an OUT, `default_output` names a new folder in the current
+directory (never an existing one). Same input + options -> byte-identical model, weights, manifest.
 """
 
 from __future__ import annotations
