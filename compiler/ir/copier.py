@@ -175,7 +175,7 @@ class Copier:
         is, as the caller's own fsync would have been)."""
         try:
             for fd in files:
-                os.fdatasync(fd)
+                getattr(os, "fdatasync", os.fsync)(fd)  # macOS has no fdatasync
         except OSError as exc:
             return exc
         return None
