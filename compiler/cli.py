@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import gc
 import importlib
 import logging
@@ -13,7 +12,7 @@ import sys
 
 from mtkc import __version__
 from mtkc.display import EscapingFormatter, escape
-from mtkc.errors import MtkcError
+from mtkc.errors import FULL_DISK, MtkcError
 from mtkc.interrupts import installed
 
 # name -> (module, one-line help). A module defines `add_parser(subparsers)`, whose parser sets
@@ -57,7 +56,6 @@ class _WithHelp:
         return self.sub.add_parser(name, help=self.text, **kwargs)
 
 
-FULL_DISK = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 GC_YOUNG = 100_000  # allocations between young collections (Python's default: 700)
 GRAPH_COMMANDS = frozenset({"check", "compile"})  # no automatic collection while they run
 

@@ -1,5 +1,9 @@
 """Errors users can act on. Each carries the process exit code the CLI returns for it."""
 
+import errno
+
+FULL_DISK = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})  # a write's disk: the user's
+
 
 class MtkcError(Exception):
     """Base class: a one-line message naming the file/tensor/node, and an exit code."""

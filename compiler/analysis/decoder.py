@@ -560,5 +560,5 @@ def _globals(dm: DecoderMap, graph: gs.Graph) -> None:
 
 def padding_mask(graph: gs.Graph) -> gs.Variable | None:
     """The 2-D integer padding-mask input ([batch, total]: an exporter's `attention_mask`), else None."""
-    return next((t for t in graph.inputs if "mask" in t.name and dtype_of(t) is not None
-                 and np.issubdtype(dtype_of(t), np.integer) and t.shape is not None and len(t.shape) == 2), None)
+    return next((t for t in graph.inputs if "mask" in t.name and (dtype := dtype_of(t)) is not None
+                 and np.issubdtype(dtype, np.integer) and t.shape is not None and len(t.shape) == 2), None)

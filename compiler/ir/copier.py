@@ -11,8 +11,8 @@ The copies are I/O (`copy_file_range` in the kernel; the GIL is released), so th
 caller's CPU work. Each lands at the offset the caller assigned (`pwrite` semantics), so a file
 is the same whatever the timing. When its queue runs dry the thread syncs the files it wrote, so
 the caller's final fsync is short. A copy that fails (the source truncated or unreadable, the disk
-full) stops the rest; `put` / `wait` / `finish` raise it: a read error as an InputError naming the
-source file and tensor, a full or read-only disk (`OUTPUT_ERRNOS`) and a failed sync as the
+full) stops the rest; `put` / `wait` / `finish` raise it (`copy_error`): a read error as an
+InputError naming the source file and tensor, a full or read-only disk and a failed sync as the
 OSError they were, for the caller to name its output folder (`mtkc.backend.staging.disk_errors`).
 
 The thread touches Python as little as it can (one call per copy, on a duplicate of the caller's
@@ -27,12 +27,11 @@ open until `finish` or `cancel` returns.
 from __future__ import annotations
 
 import collections
-import errno
 import os
 import sys
 import threading
 
-from mtkc.errors import InputError
+from mtkc.errors import FULL_DISK, InputError
 from mtkc.ir.model_checks import ExternalDataError
 
 CHUNK = 16 << 20  # bytes per read when the kernel cannot copy
@@ -51,7 +50,6 @@ def _queued() -> int:
 
 
 QUEUED = _queued()
-OUTPUT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}  # the written file's disk, not the source
 SWITCH_SECONDS = 0.0005
 _switch = {"threads": 0, "saved": None}  # copier threads running; the interval they replaced
 _switch_lock = threading.Lock()
@@ -186,15 +184,22 @@ class Copier:
                 if self._cancelled:
                     break
                 copy_range(src, dst, offset + done, min(PIECE, nbytes - done), at + done)
-        except OSError as exc:
-            return exc if exc.errno in OUTPUT_ERRNOS else InputError(f"{what}: {exc}")
-        except ExternalDataError as exc:
-            return InputError(f"{what}: {exc}")
+        except (ExternalDataError, OSError) as exc:
+            return copy_error(exc, what)
         except BaseException as exc:  # a bug: raised in the caller's thread as it is
             return exc
         finally:
             os.close(src)
         return None
+
+
+def copy_error(exc: ExternalDataError | OSError, what: str) -> BaseException:
+    """What a failed copy from the source `what` (`file: tensor 'name'`) is: the written file's full
+    or read-only disk as the OSError it was (the caller names its output folder), anything else an
+    InputError naming the source."""
+    if isinstance(exc, OSError) and exc.errno in FULL_DISK:
+        return exc
+    return InputError(f"{what}: {exc}")
 
 
 def copy_range(src: int, dst: int, offset: int, nbytes: int, at: int | None = None) -> None:

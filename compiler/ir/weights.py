@@ -42,7 +42,7 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
 
 from mtkc.errors import InputError
-from mtkc.ir.copier import CHUNK, OUTPUT_ERRNOS, Copier
+from mtkc.ir.copier import CHUNK, Copier, copy_error
 from mtkc.ir.model import constants, external_info
 from mtkc.ir.opset import axes_to_attributes
 from mtkc.ir.model_checks import (
@@ -253,6 +253,7 @@ class WeightWriter:
 
     def _from_source_file(self, proto: onnx.TensorProto, root: Path) -> onnx.TensorProto:
         location = external_info(proto).get("location", "")
+        what = f"{root / location}: tensor '{proto.name}'"
         try:
             _, offset, _ = external_fields(proto)
             nbytes = external_size(proto)
@@ -272,11 +273,9 @@ class WeightWriter:
                     self._by_source[key] = self._dedup(
                         nbytes, lambda: _sample(os.pread(fd, edge, offset), os.pread(fd, edge, offset + nbytes - edge)),
                         lambda: self._digest_at(fd, offset, nbytes),
-                        lambda: self._copy(fd, offset, nbytes, f"{root / location}: tensor '{proto.name}'"))
+                        lambda: self._copy(fd, offset, nbytes, what))
         except (ExternalDataError, OSError) as exc:
-            if getattr(exc, "errno", None) in OUTPUT_ERRNOS:
-                raise  # the output's disk (a queued copy said so): the caller names its folder
-            raise InputError(f"{root / location}: tensor '{proto.name}': {exc}") from None
+            raise copy_error(exc, what) from None
         return _reference(proto.name, proto.data_type, list(proto.dims), self.filename, self._by_source[key], nbytes)
 
     def _source_id(self, root: Path, location: str) -> tuple[int, int]:

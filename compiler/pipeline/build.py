@@ -116,7 +116,7 @@ def build(model: Model, options: Options, table, observe: Callable[[Pass, gs.Gra
     built = built or (lambda variant: None)
     result.bound, options, (first, *rest) = plan_graphs(model.graph, options, result.decoder)
     result.options = options
-    spare = model.copy() if (rest or assess and writes) and ahead is None else None  # before a pass touches it
+    spare = model.copy() if rest and ahead is None or assess and writes else None  # before a pass touches it
     result.variants.append(_best_first(model, first.name, options.replace(**first.options), table, observe, result,
                                        suggest))
     built(result.variants[0])

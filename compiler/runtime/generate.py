@@ -34,7 +34,7 @@ import onnxruntime as ort
 from mtkc.contract import cache as layouts
 from mtkc.contract import io, mask, positions
 from mtkc.errors import InputError
-from mtkc.ir.copier import OUTPUT_ERRNOS, copy_range
+from mtkc.ir.copier import copy_error, copy_range
 from mtkc.ir.model import ExternalValues, external_info
 from mtkc.ir.model_checks import ExternalDataError, external_fields, external_size, open_external
 from mtkc.ir.outdir import check_graph_file, confined, load_table, read_manifest
@@ -342,9 +342,7 @@ def _stream_npy(table: WeightTable, path: Path, writer: WeightWriter | None = No
                 out.flush()
                 copy_range(src.fileno(), out.fileno(), offset, remaining)  # in the kernel where it can
     except (ExternalDataError, OSError) as exc:
-        if getattr(exc, "errno", None) in OUTPUT_ERRNOS:
-            raise  # the output's disk: the caller names its folder
-        raise InputError(f"{what}: {exc}") from None
+        raise copy_error(exc, what) from None
     return True
 
 
