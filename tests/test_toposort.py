@@ -6,11 +6,13 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from mtkc.errors import PassError
+from mtkc.errors import InternalError, PassError
 from mtkc.ir import graph_utils as gu
-from mtkc.ir.toposort import cycle_node, kahn_order, prune_sorted, topo_order
-from mtkc.manager.invariants import restore
+from mtkc.ir.toposort import cycle_node, kahn_order, topo_order
+from mtkc.manager.invariants import Sweep, restore
 
 
 def test_kahn_order_of_a_dag_with_a_repeated_edge():
@@ -84,10 +86,10 @@ def _another_topological_order(order: list[gs.Node], rng) -> list[gs.Node]:
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_prune_sorted_is_graphsurgeons_cleanup_then_toposort(seed):
-    """Live nodes in an order (a dead node may read a tensor made after it): the nodes, their order
-    and every tensor's links as graphsurgeon's `cleanup().toposort()` leaves them. Shuffled: False,
-    and the node list as it was."""
+def test_restore_is_graphsurgeons_cleanup_then_toposort(seed):
+    """Live nodes in an order (a dead node may read a tensor made after it): the two sweeps (a
+    `Sweep` back) leave the nodes, their order and every tensor's links as graphsurgeon's
+    `cleanup().toposort()` does. Shuffled: the full cleanup and sort (None back), the same again."""
     def links(graph):
         tensors = {t.name: t for n in graph.nodes for t in (*n.inputs, *n.outputs)}
         return ([n.name for n in graph.nodes], [([t.name for t in n.inputs], [t.name for t in n.outputs]) for n in graph.nodes],
@@ -101,13 +103,9 @@ def test_prune_sorted_is_graphsurgeons_cleanup_then_toposort(seed):
             graph.nodes.insert(0, gs.Node("Relu", "dead_early", inputs=[late], outputs=[gs.Variable("d", np.float32, [2])]))
         return graph
 
-    shuffled = build(None)
-    before = [n.name for n in shuffled.nodes]
-    assert not prune_sorted(shuffled)
-    assert [n.name for n in shuffled.nodes] == before
-    for order_seed in (seed, seed + 100):
+    for order_seed in (None, seed, seed + 100):
         theirs, mine = build(order_seed), build(order_seed)
-        assert prune_sorted(mine)
+        assert isinstance(restore(mine), Sweep) == (order_seed is not None)
         assert links(mine) == links(theirs.cleanup().toposort())
         assert "dead_early" not in links(mine)[0] and len(mine.nodes) < 60
 
@@ -209,3 +207,71 @@ def test_replace_uses_with_a_kept_output_set_is_the_scan(kept):
     assert graph.nodes[-1].op == "Identity" and graph.nodes[-1].inputs[0] is x
     if kept:
         assert ids == {id(t) for t in graph.outputs}
+
+
+@st.composite
+def _flawed_graphs(draw):
+    """A function building a random DAG (listed in order, or not) whose tensors may be untyped or
+    symbolic, with some of: a dangling input, an input whose producer left the graph, a name two
+    tensors share (a node's output or a constant), a graph output nothing produces, a node mixing
+    float dtypes. Each call builds the same graph afresh."""
+    count = draw(st.integers(1, 12))
+    spec = [(draw(st.lists(st.integers(0, i), min_size=1, max_size=3)),
+             draw(st.sampled_from([np.float32, np.float32, np.float16, None])),
+             draw(st.sampled_from([[2], [2], ["s", 2], None])),
+             draw(st.sampled_from(["Add", "Sum", "Relu", "Where"]))) for i in range(count)]
+    flaws = draw(st.sets(st.sampled_from(["dangling", "orphan", "twin", "constant twin", "unproduced"])))
+    order = draw(st.permutations(range(count + 1))) if draw(st.booleans()) else range(count + 1)
+
+    def build() -> gs.Graph:
+        x = gs.Variable("x", np.float32, [2])
+        tensors, nodes = [x], []
+        for i, (reads, dtype, shape, op) in enumerate(spec):
+            out = gs.Variable(f"t{i}", dtype, list(shape) if shape else shape)
+            nodes.append(gs.Node(op, f"n{i}", inputs=[tensors[j] for j in reads], outputs=[out]))
+            tensors.append(out)
+        extra = []
+        if "dangling" in flaws:
+            extra.append(gs.Variable("dangling", np.float32, [2]))
+        if "orphan" in flaws:
+            orphan = gs.Variable("orphan", None, None)
+            gs.Node("Relu", "gone", inputs=[x], outputs=[orphan])
+            extra.append(orphan)
+        if "twin" in flaws:
+            extra.append(gs.Variable(tensors[-1].name, None, ["s"]))
+        if "constant twin" in flaws:
+            extra.append(gs.Constant(tensors[-2].name, np.ones(2, np.float32)))
+        nodes.append(gs.Node("Sum", "reader", inputs=[tensors[-1], *extra], outputs=[gs.Variable("r", np.float32, [2])]))
+        outputs = [nodes[-1].outputs[0]] + ([gs.Variable("unproduced", np.float32, [2])] if "unproduced" in flaws else [])
+        return gs.Graph([nodes[i] for i in order], [x], outputs, opset=17)
+
+    return build
+
+
+@settings(max_examples=150, deadline=None)
+@given(_flawed_graphs())
+def test_restores_sweep_finds_what_the_checks_find(build):
+    """Where `restore` takes its two sweeps (a plain graph listed in an order), its `Sweep` holds
+    `loose_tensors` of the graph it leaves, `sound` exactly when `check` (loose tensors aside)
+    passes, and `mixed` exactly when `check_dtypes` raises; and it leaves the nodes the full cleanup
+    and sort leave."""
+    from mtkc.manager.invariants import check, check_dtypes, loose_tensors
+
+    mine, theirs = build(), build()
+    sweep = restore(mine, "p")
+    gu.cleanup(theirs)
+    theirs.nodes = topo_order(theirs)
+    assert [n.name for n in mine.nodes] == [n.name for n in theirs.nodes]
+    if sweep is None:
+        return
+    assert sweep.loose == loose_tensors(mine)
+
+    def raises(fn, *args) -> bool:
+        try:
+            fn(*args)
+        except (PassError, InternalError):
+            return True
+        return False
+
+    assert sweep.sound == (not raises(check, mine, "p"))
+    assert sweep.mixed == raises(check_dtypes, mine, None)

@@ -137,34 +137,33 @@ def _sorted_levels(nodes: list[gs.Node], members: set[int]) -> dict[int, int] | 
     return level if len(level) == len(nodes) else None  # a node listed twice: the walk lists it once
 
 
-def prune_sorted(graph: gs.Graph) -> bool:
-    """`cleanup(graph)` then `toposort(graph)` of a plain graph in two sweeps, when its live nodes
-    are already in an order (each one's producers before it): what a pass that rewired or appended
-    nothing out of order leaves. False when they are not; then only the graph inputs' producers
-    were cleared (cleanup's first step), and the caller runs the two in full.
-
-    Backwards: a node is live when a graph output or a live node reads it (cleanup's walk, in list
-    order). Forwards over the live nodes: `_sorted_levels`, whose depths `topo_order` sorts by. A
-    live node read by one before it in the list fails the forward sweep, however the backward one
-    missed it (the list then is not an order of the live nodes)."""
+def live_nodes(graph: gs.Graph) -> tuple[list[gs.Node], set[int]]:
+    """The nodes a graph output depends on, in list order, and the ids of every producer met on the
+    way (cleanup's walk, backwards over the list: a node is live when a graph output or a live node
+    reads it). Graph inputs lose their producers first, as in cleanup."""
     for t in graph.inputs:
         t.inputs.clear()
-    nodes = graph.nodes
     used = {id(p) for t in graph.outputs for p in t.inputs}  # a producer outside the list is never visited
+    add = used.add
     live: list[gs.Node] = []
-    for node in reversed(nodes):
+    for node in reversed(graph.nodes):
         if id(node) in used:
             live.append(node)
             for t in node.inputs:
-                used.update(map(id, t.inputs))
+                for p in t.inputs:
+                    add(id(p))
     live.reverse()
-    level = _sorted_levels(live, {id(n) for n in nodes})
-    if level is None:
-        return False
-    dead = [n for n in nodes if id(n) not in used]
-    detach(dead)
-    graph.nodes = sorted(live, key=lambda n: level[id(n)])
-    return True
+    return live, used
+
+
+def keep_sorted(graph: gs.Graph, live: list[gs.Node], used: set[int], depths: list[int]) -> None:
+    """`live_nodes`' result made the graph's node list: the others detached, the live ones by
+    `depths` (theirs, in list order; ties keep the list's order, as `topo_order` sorts)."""
+    if len(live) != len(graph.nodes):
+        detach([n for n in graph.nodes if id(n) not in used])
+    if any(a > b for a, b in zip(depths, depths[1:])):
+        live = [live[i] for i in sorted(range(len(live)), key=depths.__getitem__)]
+    graph.nodes = live
 
 
 def toposort(graph: gs.Graph, simple: bool | None = None) -> gs.Graph:

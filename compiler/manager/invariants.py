@@ -22,6 +22,7 @@ Checked (a violation names the pass and the tensor/node):
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from numbers import Integral
 
 import onnx
@@ -31,25 +32,117 @@ import numpy as np
 
 from mtkc.errors import InternalError, MtkcError, PassError
 from mtkc.ir.graph_utils import Names, cleanup, plain
-from mtkc.ir.toposort import CycleError, prune_sorted, toposort
+from mtkc.ir.toposort import CycleError, keep_sorted, live_nodes, toposort
 from mtkc.rewrite.pass_api import Pass
 
 
-def restore(graph: gs.Graph, pass_name: str | None = None, error: type[MtkcError] = PassError) -> None:
-    """Cleanup, cycle check, toposort and node naming after a pass (None: the input model)."""
+@dataclass
+class Sweep:
+    """What `restore`'s forward sweep over the nodes it kept found out on the way."""
+
+    loose: tuple[set[str], set[str]]  # `loose_tensors(graph)`
+    sound: bool  # no dangling tensor and no name two tensors share: `check` passes but for loose tensors
+    mixed: bool  # a node mixes float dtypes its op ties: `check_dtypes` raises
+    names: list[str]  # the nodes' names
+
+
+def restore(graph: gs.Graph, pass_name: str | None = None, error: type[MtkcError] = PassError) -> Sweep | None:
+    """Cleanup, cycle check, toposort and node naming after a pass (None: the input model).
+
+    A graph without functions or subgraphs whose live nodes are in an order (what most passes
+    leave) takes two sweeps: backwards for what is live (`live_nodes`), forwards for the depths
+    `toposort` sorts by and, on the way, what `check`, `loose_tensors` and `check_dtypes` would
+    find (returned: a `Sweep`). Any other graph is cleaned and sorted in full; then None."""
     simple = plain(graph)  # a plain graph stays plain; another may lose its subgraphs in cleanup
-    if not (simple and prune_sorted(graph)):
+    swept = None
+    if simple:
+        live, used = live_nodes(graph)
+        swept = _sweep(graph, live, {id(n) for n in graph.nodes})
+    if swept is not None:
+        keep_sorted(graph, live, used, swept[0])
+    else:
         cleanup(graph, simple=simple)
         try:
             toposort(graph, simple=simple or None)
         except CycleError as exc:
             raise error(f"{_stage(pass_name)}: {exc}") from None
-    name_nodes(graph, pass_name)
+    name_nodes(graph, pass_name, swept and swept[1].names)
+    return swept and swept[1]
 
 
-def name_nodes(graph: gs.Graph, prefix: str | None) -> int:
-    """Give unnamed/duplicate-named nodes `<prefix>/<old name or op>`; returns how many."""
-    given = [n.name for n in graph.nodes]
+def _sweep(graph: gs.Graph, live: list[gs.Node], members: set[int]) -> tuple[list[int], Sweep] | None:
+    """The depths `toposort._sorted_levels` gives `live` and the `Sweep` of a graph listing just
+    `live`, in one pass; None when a live node reads a node of `members` listed after it or is
+    listed twice (`live` is then no order of the live nodes)."""
+    level: dict[int, int] = {}
+    get = level.get
+    depths: list[int] = []
+    untyped: set[str] = set()
+    dynamic: set[str] = set()
+    by_name: dict[str, gs.Tensor] = {}
+    named = by_name.setdefault
+    inputs = {id(t) for t in graph.inputs}
+    sound, mixed = True, False
+    names: list[str] = []
+    variable, constant = gs.Variable, gs.Constant
+
+    def look(t: gs.Tensor) -> None:  # loose_tensors' look
+        if t.dtype is None:
+            untyped.add(t.name)
+        if not static(t):
+            dynamic.add(t.name)
+
+    for t in graph.inputs:
+        if t.name:
+            sound = sound and named(t.name, t) is t
+            if isinstance(t, variable):
+                look(t)
+    for node in live:
+        deepest = -1
+        for t in node.inputs:
+            producers = t.inputs
+            for p in producers:
+                d = get(id(p))
+                if d is None:
+                    if id(p) in members:
+                        return None
+                elif d > deepest:
+                    deepest = d
+            if isinstance(t, constant):
+                if t.name:
+                    sound = sound and named(t.name, t) is t
+            elif t.name:
+                if producers:
+                    sound = sound and (get(id(producers[0])) is not None or id(t) in inputs)
+                else:
+                    sound = sound and id(t) in inputs
+                    if isinstance(t, variable):
+                        look(t)
+        level[id(node)] = deepest = deepest + 1
+        depths.append(deepest)
+        names.append(node.name)
+        for t in node.outputs:
+            if t.name:
+                sound = sound and named(t.name, t) is t
+                if isinstance(t, variable):
+                    look(t)
+        if not mixed and not node.domain and node.op in _TIED:
+            mixed = _mixes(node)
+    if len(level) != len(live):
+        return None
+    for t in graph.outputs:
+        if t.name:
+            made = isinstance(t, constant) or id(t) in inputs or bool(t.inputs) and get(id(t.inputs[0])) is not None
+            sound = sound and made and named(t.name, t) is t
+            if isinstance(t, variable):
+                look(t)
+    return depths, Sweep((untyped, dynamic), sound, mixed, names)
+
+
+def name_nodes(graph: gs.Graph, prefix: str | None, given: list[str] | None = None) -> int:
+    """Give unnamed/duplicate-named nodes `<prefix>/<old name or op>`; returns how many. `given`:
+    the nodes' names, when the caller has them."""
+    given = [n.name for n in graph.nodes] if given is None else given
     if all(given) and len(set(given)) == len(given):
         return 0  # the common case, without building `Names` (it collects every tensor name)
     names = Names(graph)
@@ -168,9 +261,7 @@ def check_dtypes(graph: gs.Graph, p=None, error: type[MtkcError] | None = None) 
     for node in graph.nodes:
         if node.domain or node.op not in _TIED:
             continue
-        positions = _TIED[node.op] or range(len(node.inputs))
-        floats = {_float_name(node.inputs[i].dtype) for i in positions if i < len(node.inputs)
-                  and node.inputs[i].dtype is not None} - {None}
+        floats = _floats(node)
         if len(floats) > 1:
             what = f"node '{node.name}' ({node.op}) mixes {' and '.join(sorted(floats))} inputs"
             if p is None:
@@ -179,6 +270,25 @@ def check_dtypes(graph: gs.Graph, p=None, error: type[MtkcError] | None = None) 
                 raise InternalError(f"pass '{p.name}' left {what}: a bug in mtkc; rerun with MTKC_TRACEBACK=1 and "
                                     "report the output")
             raise PassError(f"pass '{p.name}' ({p.origin}) left {what}")
+
+
+def _floats(node: gs.Node) -> set[str]:
+    """The float dtypes of the inputs `node`'s op ties (`_TIED`), known ones."""
+    positions = _TIED[node.op] or range(len(node.inputs))
+    return {_float_name(node.inputs[i].dtype) for i in positions if i < len(node.inputs)
+            and node.inputs[i].dtype is not None} - {None}
+
+
+def _mixes(node: gs.Node) -> bool:
+    """`len(_floats(node)) > 1`, without building the set (this runs for every tied node after every pass)."""
+    inputs, first = node.inputs, None
+    for i in _TIED[node.op] or range(len(inputs)):
+        if i < len(inputs) and (dtype := inputs[i].dtype) is not None and (name := _float_name(dtype)) is not None:
+            if first is None:
+                first = name
+            elif name != first:
+                return True
+    return False
 
 
 @functools.cache

@@ -292,16 +292,18 @@ def run_pipeline(
     nodes; it must not change the graph. `touched` is False when the graph is as the pass found it:
     a built-in pass that rewrote nothing, kept every node and typed no tensor.
     """
-    invariants.restore(graph, None, InputError)
-    invariants.check(graph, None, error=InputError)
-    invariants.check_dtypes(graph, None, InputError)
+    sweep = invariants.restore(graph, None, InputError)
+    if sweep is None or not sweep.sound:
+        invariants.check(graph, None, error=InputError)
+    if sweep is None or sweep.mixed:
+        invariants.check_dtypes(graph, None, InputError)
     verifier = EachVerifier(graph, ctx, seed, pipeline.bind) if verify_each else None
     records = []
     contract = invariants.io_contract(graph)  # names, dtypes, shapes of graph inputs/outputs
-    after = None  # loose tensors after the previous pass, when known (nothing below edits the graph)
+    after = sweep and sweep.loose  # loose tensors after the previous pass, when known (nothing below edits the graph)
     for p in pipeline.passes:
         nodes_before = len(graph.nodes)
-        members = [id(n) for n in graph.nodes]
+        members = list(map(id, graph.nodes))
         loose = after if after is not None else invariants.loose_tensors(graph)
         start = time.perf_counter()
         result = guarded(p, "run", p.run, graph, ctx)
@@ -309,15 +311,19 @@ def run_pipeline(
             raise PassError(f"pass '{p.name}' ({p.origin}) returned {type(result).__name__}, not a PassResult")
         if result.changed or len(graph.nodes) != nodes_before:
             ctx.analyses.invalidate(graph, tuple(p.preserves))
-        if verify_each or p.origin != "built-in" or result.changed or [id(n) for n in graph.nodes] != members:
-            invariants.restore(graph, p.name)
-            after = invariants.loose_tensors(graph) if invariants.shapes_bound(graph) else None
+        if verify_each or p.origin != "built-in" or result.changed or list(map(id, graph.nodes)) != members:
+            sweep = invariants.restore(graph, p.name)
+            after = None
+            if invariants.shapes_bound(graph):
+                after = sweep.loose if sweep is not None else invariants.loose_tensors(graph)
             if after is not None and invariants.new_loose(after, loose):
                 _fill_types(graph, ctx.root)  # type what the pass left untyped; still loose -> PassError
-                after = invariants.loose_tensors(graph)
-            invariants.check(graph, p.name, loose, loose_now=after)
+                after, sweep = invariants.loose_tensors(graph), None
+            if sweep is None or not sweep.sound:  # else `check` would only look for new loose tensors: none
+                invariants.check(graph, p.name, loose, loose_now=after)
             contract = invariants.check_io(graph, p, contract)  # undeclared I/O change -> PassError (the
-            invariants.check_dtypes(graph, p)                   # cause of a dtype mix it would also leave)
+            if sweep is None or sweep.mixed:                    # cause of a dtype mix it would also leave)
+                invariants.check_dtypes(graph, p)
             touched = True
         else:  # a built-in pass that rewrote nothing kept the nodes as they were (it may have typed tensors)
             after = invariants.loose_tensors(graph)  # what the next pass starts from (`loose`) in any case
