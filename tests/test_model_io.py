@@ -638,3 +638,22 @@ def test_a_truncated_file_is_not_onnx(tmp_path):
     path.write_bytes(path.read_bytes()[:-40])
     assert wire.parse(path) is None
     assert "not a readable ONNX model" in load_error(path)
+
+
+def test_the_checker_names_the_node_kahns_order_meets_first(tmp_path):
+    """A file listed in order goes to the checker as listed; when the checker refuses it, the node
+    named is the one the nodes in Kahn's order meet first (as before the listed order was kept):
+    here `late`, which reads only the input, not `early`, which reads `a`."""
+    x = oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])
+    outs = [oh.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in ("c1", "c2")]
+    nodes = [oh.make_node("Relu", ["x"], ["a"], name="first"), oh.make_node("Cast", ["a"], ["c1"], name="early"),
+             oh.make_node("Cast", ["x"], ["c2"], name="late")]  # no `to`: both refused
+    path = tmp_path / "model.onnx"
+    onnx.save(oh.make_model(oh.make_graph(nodes, "g", [x], outs), opset_imports=[oh.make_opsetid("", 17)]), path)
+    message = load_error(path)
+    assert "invalid ONNX" in message and "late" in message and "early" not in message
+    shuffled = [nodes[2], nodes[1], nodes[0]]  # not in order, valid once the Casts say `to`
+    for node in shuffled[:2]:
+        node.attribute.append(oh.make_attribute("to", onnx.TensorProto.FLOAT))
+    onnx.save(oh.make_model(oh.make_graph(shuffled, "g", [x], outs), opset_imports=[oh.make_opsetid("", 17)]), path)
+    assert [n.name for n in mmodel.load(path).graph.nodes] == ["late", "early", "first"]

@@ -96,9 +96,9 @@ def validate_proto(proto: onnx.ModelProto, path: Path, root: Path) -> None:
     files: dict[str, tuple[str, int]] = {}  # location -> (real path, size), resolved once
     for tensor, where, sparse in stored_tensors(proto):
         _check_tensor(tensor, where, sparse, path, root, files)
-    _check_graph(proto.graph, path, [], depth=0)
+    _, ordered = _check_graph(proto.graph, path, [], depth=0)
     _check_io_types(proto.graph, path)
-    check_onnx(proto, path)
+    check_onnx(proto, path, ordered)
 
 
 MIN_OPSET = 7  # onnxruntime only guarantees the default domain from opset 7 on
@@ -106,8 +106,10 @@ _DATA_FIELDS = ("raw_data", "float_data", "int32_data", "string_data", "int64_da
                 "uint64_data", "external_data", "data_location")
 
 
-def check_onnx(proto: onnx.ModelProto, path: Path) -> None:
-    """onnx.checker's verdict on `proto` without its weights; refuses sparse initializers and old opsets."""
+def check_onnx(proto: onnx.ModelProto, path: Path, ordered: bool) -> None:
+    """onnx.checker's verdict on `proto` without its weights; refuses sparse initializers and old
+    opsets. `ordered`: the main graph has no subgraph and lists each node after the producers of
+    its inputs (`_check_graph`)."""
     if proto.graph.sparse_initializer:
         name = proto.graph.sparse_initializer[0].values.name
         raise InputError(f"{path}: sparse initializer '{name}' is not supported; store it dense")
@@ -115,19 +117,27 @@ def check_onnx(proto: onnx.ModelProto, path: Path) -> None:
         if opset.domain in ("", "ai.onnx") and not MIN_OPSET <= opset.version <= onnx.defs.onnx_opset_version():
             raise InputError(f"{path}: default-domain opset {opset.version} cannot be run by onnxruntime "
                              f"(supported: {MIN_OPSET}..{onnx.defs.onnx_opset_version()}); convert the model's opset")
+    failed = (onnx.checker.ValidationError, onnx.shape_inference.InferenceError)
+    if ordered:  # the nodes as listed: no need to sort them for the checker
+        try:
+            onnx.checker.check_model(_stripped(proto, kahn=False))
+            return
+        except failed:
+            pass  # the verdict, and the node it names, as the nodes in Kahn's order give them
     try:
-        onnx.checker.check_model(_stripped(proto))
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+        onnx.checker.check_model(_stripped(proto, kahn=True))
+    except failed as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         context = next((line.removeprefix("==> Context: ") for line in lines[1:] if line.startswith("==> Context")), "")
         raise InputError(f"{path}: invalid ONNX: {lines[0] if lines else type(exc).__name__}"
                          + (f" ({context})" if context else "")) from None
 
 
-def _stripped(proto: onnx.ModelProto) -> onnx.ModelProto:
+def _stripped(proto: onnx.ModelProto, kahn: bool) -> onnx.ModelProto:
     """A copy of `proto` whose main-graph initializers, and every external tensor, are placeholder
     scalars: no weight byte read or copied, no file opened by the checker (shapes, sizes and files
-    are checked at load), and a value whose size fits what the checker wants."""
+    are checked at load), and a value whose size fits what the checker wants. With `kahn`, its
+    nodes in Kahn's order (the checker wants a topological one; onnxruntime and mtkc do not)."""
     copy = onnx.ModelProto()
     _copy_fields(proto, copy, skip={"graph"})
     _copy_fields(proto.graph, copy.graph, skip={"initializer"})
@@ -138,7 +148,8 @@ def _stripped(proto: onnx.ModelProto) -> onnx.ModelProto:
     for tensor, _, _ in stored_tensors(copy):
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             _placeholder(tensor)
-    _sort_nodes(copy.graph)  # the checker wants topological order; onnxruntime (and mtkc) do not
+    if kahn:
+        _sort_nodes(copy.graph)
     for value in [*copy.graph.input, *copy.graph.output]:  # and a shape field (rank may be unknown)
         if value.type.HasField("tensor_type") and not value.type.tensor_type.HasField("shape"):
             value.type.tensor_type.shape.SetInParent()
@@ -440,8 +451,9 @@ def _check_io_types(graph: onnx.GraphProto, path: Path) -> None:
                 raise InputError(f"{path}: graph {kind} '{v.name}' has element type UNDEFINED (0)")
 
 
-def _check_graph(graph: onnx.GraphProto, path: Path, outer: list[set[str]], depth: int) -> set[str]:
-    """Check one (sub)graph; returns the names it reads from enclosing scopes."""
+def _check_graph(graph: onnx.GraphProto, path: Path, outer: list[set[str]], depth: int) -> tuple[set[str], bool]:
+    """Check one (sub)graph; returns the names it reads from enclosing scopes, and whether it has no
+    subgraph and lists each node after the producers of its inputs."""
     if depth > MAX_SUBGRAPH_DEPTH:
         raise InputError(f"{path}: graph '{graph.name}' is nested more than {MAX_SUBGRAPH_DEPTH} subgraphs deep")
     defined = {v.name for v in graph.input}
@@ -460,12 +472,14 @@ def _check_graph(graph: onnx.GraphProto, path: Path, outer: list[set[str]], dept
     scopes = [*outer, defined, producer.keys()]
     free: set[str] = set()
     reads: list[list[str]] = []
+    plain = True
     for node in graph.node:
         names = [n for n in node.input if n]
         for attr in node.attribute:
             if attr.type in _GRAPH_ATTRS:
+                plain = False
                 for g in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
-                    names.extend(sorted(_check_graph(g, path, scopes, depth + 1)))
+                    names.extend(sorted(_check_graph(g, path, scopes, depth + 1)[0]))
         for name in names:
             if name in producer or name in defined:
                 continue
@@ -479,12 +493,14 @@ def _check_graph(graph: onnx.GraphProto, path: Path, outer: list[set[str]], dept
     for out in graph.output:
         if out.name not in producer and out.name not in defined and not any(out.name in s for s in outer):
             raise InputError(f"{path}: graph output '{out.name}' is not produced by any node, graph input or initializer")
-    _check_acyclic(graph, path, producer, reads)
-    return free
+    return free, _check_acyclic(graph, path, producer, reads) and plain
 
 
-def _check_acyclic(graph: onnx.GraphProto, path: Path, producer: dict[str, int], reads: list[list[str]]) -> None:
-    """Names one node of a cycle if there is one."""
+def _check_acyclic(graph: onnx.GraphProto, path: Path, producer: dict[str, int], reads: list[list[str]]) -> bool:
+    """Names one node of a cycle if there is one; returns whether each node comes after the
+    producers of what it reads (then there is none)."""
+    if all(producer.get(x, -1) < i for i, names in enumerate(reads) for x in names):
+        return True
     consumers: list[list[int]] = [[] for _ in graph.node]
     for i, names in enumerate(reads):
         for x in names:
@@ -493,6 +509,7 @@ def _check_acyclic(graph: onnx.GraphProto, path: Path, producer: dict[str, int],
     i = cycle_node(consumers)
     if i is not None:
         raise InputError(f"{path}: node {_node(graph.node[i])} is part of a cycle")
+    return False
 
 
 def _node(node: onnx.NodeProto) -> str:
