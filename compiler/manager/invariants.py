@@ -87,16 +87,19 @@ def _sweep(graph: gs.Graph, live: list[gs.Node], members: set[int]) -> tuple[lis
     variable, constant = gs.Variable, gs.Constant
 
     def look(t: gs.Tensor) -> None:  # loose_tensors' look
-        if t.dtype is None:
-            untyped.add(t.name)
-        if not static(t):
-            dynamic.add(t.name)
+        if isinstance(t, variable):
+            if t.dtype is None:
+                untyped.add(t.name)
+            if not static(t):
+                dynamic.add(t.name)
+
+    def mention(t: gs.Tensor) -> bool:  # a named tensor `check` names: False when another has its name
+        look(t)
+        return named(t.name, t) is t
 
     for t in graph.inputs:
         if t.name:
-            sound = sound and named(t.name, t) is t
-            if isinstance(t, variable):
-                look(t)
+            sound = mention(t) and sound
     for node in live:
         deepest = -1
         for t in node.inputs:
@@ -108,24 +111,21 @@ def _sweep(graph: gs.Graph, live: list[gs.Node], members: set[int]) -> tuple[lis
                         return None
                 elif d > deepest:
                     deepest = d
+            if not t.name:
+                continue
             if isinstance(t, constant):
-                if t.name:
-                    sound = sound and named(t.name, t) is t
-            elif t.name:
-                if producers:
-                    sound = sound and (get(id(producers[0])) is not None or id(t) in inputs)
-                else:
-                    sound = sound and id(t) in inputs
-                    if isinstance(t, variable):
-                        look(t)
+                sound = mention(t) and sound
+            elif producers:
+                sound = sound and (get(id(producers[0])) is not None or id(t) in inputs)
+            else:
+                look(t)
+                sound = sound and id(t) in inputs
         level[id(node)] = deepest = deepest + 1
         depths.append(deepest)
         names.append(node.name)
         for t in node.outputs:
             if t.name:
-                sound = sound and named(t.name, t) is t
-                if isinstance(t, variable):
-                    look(t)
+                sound = mention(t) and sound
         if not mixed and not node.domain and node.op in _TIED:
             mixed = _mixes(node)
     if len(level) != len(live):
@@ -133,9 +133,7 @@ def _sweep(graph: gs.Graph, live: list[gs.Node], members: set[int]) -> tuple[lis
     for t in graph.outputs:
         if t.name:
             made = isinstance(t, constant) or id(t) in inputs or bool(t.inputs) and get(id(t.inputs[0])) is not None
-            sound = sound and made and named(t.name, t) is t
-            if isinstance(t, variable):
-                look(t)
+            sound = mention(t) and made and sound
     return depths, Sweep((untyped, dynamic), sound, mixed, names)
 
 
