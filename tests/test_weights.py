@@ -307,8 +307,8 @@ def test_fresh_graphs_of_an_inline_model_share_stored_tensors_without_hashing(tm
 
 
 def test_a_host_table_streamed_from_external_data_is_np_saves_bytes(tmp_path):
-    """`write_host_tables` copies an external fp32 weight into its .npy in the kernel; the file is
-    what np.save writes for the same values."""
+    """`write_host_tables` has the writer's copier copy an external fp32 weight into its .npy in the
+    kernel; once the writer is closed the file is what np.save writes for the same values."""
     from mtkc.runtime.generate import WeightTable, _stream_npy, write_host_tables
 
     table = np.random.default_rng(0).standard_normal((37, 11)).astype(np.float32)
@@ -321,9 +321,10 @@ def test_a_host_table_streamed_from_external_data_is_np_saves_bytes(tmp_path):
               all_tensors_to_one_file=True, location="m.data", size_threshold=0)
     model = mmodel.load(tmp_path / "m.onnx")
     const = next(t for t in model.graph.tensors().values() if t.name == "table")
-    entries = write_host_tables(tmp_path / "out", {"embedding": WeightTable(const, model.values)})
+    with weights.WeightWriter(tmp_path / "out") as writer:
+        entries = write_host_tables(tmp_path / "out", {"embedding": WeightTable(const, model.values)}, writer)
+        assert _stream_npy(WeightTable(const, model.values), tmp_path / "streamed.npy", writer)  # copied, not np.save
     np.save(tmp_path / "want.npy", table)
     assert (tmp_path / "out" / "host" / "embedding.npy").read_bytes() == (tmp_path / "want.npy").read_bytes()
-    assert _stream_npy(WeightTable(const, model.values), tmp_path / "streamed.npy")  # the copied path, not np.save
     assert (tmp_path / "streamed.npy").read_bytes() == (tmp_path / "want.npy").read_bytes()
     assert entries == {"embedding": {"path": "host/embedding.npy", "dtype": "float32", "shape": [37, 11]}}

@@ -202,15 +202,13 @@ def copy_error(exc: ExternalDataError | OSError, what: str) -> BaseException:
     return InputError(f"{what}: {exc}")
 
 
-def copy_range(src: int, dst: int, offset: int, nbytes: int, at: int | None = None) -> None:
-    """Copy `nbytes` of `src` from `offset` to `dst` at `at` (None: at its file position), in the
-    kernel when possible, else in chunks."""
+def copy_range(src: int, dst: int, offset: int, nbytes: int, at: int) -> None:
+    """Copy `nbytes` of `src` from `offset` to `dst` at `at`, in the kernel when possible, else in chunks."""
     done = 0
     if hasattr(os, "copy_file_range"):
         try:
             while done < nbytes:
-                n = os.copy_file_range(src, dst, min(KERNEL_CHUNK, nbytes - done), offset + done,
-                                       None if at is None else at + done)
+                n = os.copy_file_range(src, dst, min(KERNEL_CHUNK, nbytes - done), offset + done, at + done)
                 if n == 0:
                     raise ExternalDataError("external data is truncated")
                 done += n
@@ -221,7 +219,12 @@ def copy_range(src: int, dst: int, offset: int, nbytes: int, at: int | None = No
         block = os.pread(src, min(CHUNK, nbytes - done), offset + done)
         if not block:
             raise ExternalDataError("external data is truncated")
-        view = memoryview(block)
-        while view:
-            n = os.write(dst, view) if at is None else os.pwrite(dst, view, at + done)
-            view, done = view[n:], done + n
+        done += pwrite_all(dst, block, at + done)
+
+
+def pwrite_all(fd: int, data, at: int) -> int:
+    """Write all of `data` (any buffer) to `fd` at `at`; returns its size in bytes."""
+    view, done = memoryview(data).cast("B"), 0
+    while done < view.nbytes:
+        done += os.pwrite(fd, view[done:], at + done)
+    return done

@@ -42,7 +42,7 @@ import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
 
 from mtkc.errors import InputError
-from mtkc.ir.copier import CHUNK, Copier, copy_error
+from mtkc.ir.copier import CHUNK, Copier, copy_error, pwrite_all
 from mtkc.ir.model import constants, external_info
 from mtkc.ir.opset import axes_to_attributes
 from mtkc.ir.model_checks import (
@@ -164,10 +164,7 @@ class WeightWriter:
         removed by `abort`. `what` names the source in an error."""
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         self._streams.append((Path(path), fd))
-        done = 0
-        while done < len(head):
-            done += os.pwrite(fd, memoryview(head)[done:], done)
-        self._copier.put(src, fd, offset, nbytes, len(head), what)
+        self._copier.put(src, fd, offset, nbytes, pwrite_all(fd, head, 0), what)
 
     # ------------------------------------------------------------------ one constant
 
@@ -229,11 +226,8 @@ class WeightWriter:
         return self._by_digest[key]
 
     def _append(self, data: memoryview) -> int:
-        start, done = self._aligned_end(), 0
-        view = memoryview(data).cast("B")
-        while done < view.nbytes:
-            done += os.pwrite(self._fd, view[done:], start + done)
-        self._end = start + done
+        start = self._aligned_end()
+        self._end = start + pwrite_all(self._fd, data, start)
         return start
 
     @staticmethod

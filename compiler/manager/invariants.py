@@ -127,7 +127,7 @@ def _sweep(graph: gs.Graph, live: list[gs.Node], members: set[int]) -> tuple[lis
             if t.name:
                 sound = mention(t) and sound
         if not mixed and not node.domain and node.op in _TIED:
-            mixed = _mixes(node)
+            mixed = len(_floats(node)) > 1
     if len(level) != len(live):
         return None
     for t in graph.outputs:
@@ -275,18 +275,6 @@ def _floats(node: gs.Node) -> set[str]:
     positions = _TIED[node.op] or range(len(node.inputs))
     return {_float_name(node.inputs[i].dtype) for i in positions if i < len(node.inputs)
             and node.inputs[i].dtype is not None} - {None}
-
-
-def _mixes(node: gs.Node) -> bool:
-    """`len(_floats(node)) > 1`, without building the set (this runs for every tied node after every pass)."""
-    inputs, first = node.inputs, None
-    for i in _TIED[node.op] or range(len(inputs)):
-        if i < len(inputs) and (dtype := inputs[i].dtype) is not None and (name := _float_name(dtype)) is not None:
-            if first is None:
-                first = name
-            elif name != first:
-                return True
-    return False
 
 
 @functools.cache

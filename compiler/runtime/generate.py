@@ -34,7 +34,7 @@ import onnxruntime as ort
 from mtkc.contract import cache as layouts
 from mtkc.contract import io, mask, positions
 from mtkc.errors import InputError
-from mtkc.ir.copier import copy_error, copy_range
+from mtkc.ir.copier import copy_error
 from mtkc.ir.model import ExternalValues, external_info
 from mtkc.ir.model_checks import ExternalDataError, external_fields, external_size, open_external
 from mtkc.ir.outdir import check_graph_file, confined, load_table, read_manifest
@@ -319,10 +319,10 @@ class WeightTable:
         return np.asarray(self.read_values(self.const), np.float32)
 
 
-def _stream_npy(table: WeightTable, path: Path, writer: WeightWriter | None = None) -> bool:
+def _stream_npy(table: WeightTable, path: Path, writer: WeightWriter) -> bool:
     """Write a float32 external weight as .npy by copying its bytes (never held in memory; by
-    `writer`'s copier when given, `WeightWriter.stream`); False when it is not such a weight. Same
-    bytes as `np.save` of its values."""
+    `writer`'s copier, `WeightWriter.stream`); False when it is not such a weight. Same bytes as
+    `np.save` of its values once `writer` is closed."""
     values = table.const._values
     if not isinstance(values, ExternalValues) or values.tensor.data_type != onnx.TensorProto.FLOAT:
         return False
@@ -332,23 +332,17 @@ def _stream_npy(table: WeightTable, path: Path, writer: WeightWriter | None = No
     np.lib.format.write_array_header_1_0(head, {"descr": "<f4", "fortran_order": False, "shape": tuple(proto.dims)})
     try:
         _, offset, _ = external_fields(proto)
-        remaining = external_size(proto)
         with open_external(values.root, location) as src:
-            if writer is not None:
-                writer.stream(path, head.getvalue(), src.fileno(), offset, remaining, what)
-                return True
-            with open(path, "wb") as out:
-                out.write(head.getvalue())
-                out.flush()
-                copy_range(src.fileno(), out.fileno(), offset, remaining)  # in the kernel where it can
+            writer.stream(path, head.getvalue(), src.fileno(), offset, external_size(proto), what)
     except (ExternalDataError, OSError) as exc:
         raise copy_error(exc, what) from None
     return True
 
 
-def write_host_tables(out_dir: str | Path, tables: dict, writer: WeightWriter | None = None) -> dict[str, dict]:
+def write_host_tables(out_dir: str | Path, tables: dict, writer: WeightWriter) -> dict[str, dict]:
     """Save each table (an array, or a callable returning one) as `host/<name>.npy` under `out_dir`
-    (a weight's bytes copied by `writer`'s copier when given); returns the manifest's `host` entry."""
+    (an external weight's bytes copied by `writer`'s copier, written once it is closed); returns the
+    manifest's `host` entry."""
     entries = {}
     for name, table in sorted(tables.items()):
         path = Path(out_dir) / "host" / f"{name}.npy"
