@@ -198,21 +198,43 @@ def die_with(parent: int):
     (PR_SET_PDEATHSIG; what the child itself starts is killed with its group on every other way out)."""
     if _PRCTL is None:
         return None
+    return lambda: _die_with(parent)
 
-    def preexec() -> None:
+
+def _die_with(parent: int) -> None:
+    if _PRCTL is not None:
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent:  # mtkc died before the call above took effect
             os._exit(137)
 
-    return preexec
+
+def forked(parent: int) -> None:
+    """Make this process, just forked from mtkc (`parent`), a child that mtkc's exits end: its own
+    process group (the parent sets it too, `os.setpgid(pid, pid)`: killable at once), SIGKILL when
+    the parent dies (Linux), the default signal handlers, and none of the parent's watchdog (the
+    fork has no thread running it), child groups or staging folders."""
+    global _WATCHDOG
+    os.setpgid(0, 0)
+    _die_with(parent)
+    _WATCHDOG = None  # deadlines do nothing here, as in any process outside `installed()`
+    GROUPS.clear()
+    STAGES.clear()
+    signal.set_wakeup_fd(-1)
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_DFL)
 
 
-def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the process group of `proc` (a child in its own session, and anything it started), reap it
-    and forget it (GROUPS)."""
+def kill_group(proc: subprocess.Popen | int) -> None:
+    """SIGKILL the process group of `proc` (a child in its own group, and anything it started; a
+    Popen, or the pid of a fork), reap it and forget it (GROUPS)."""
+    pid = proc if isinstance(proc, int) else proc.pid
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    proc.wait()
-    GROUPS.discard(proc.pid)
+    if isinstance(proc, int):
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    else:
+        proc.wait()
+    GROUPS.discard(pid)

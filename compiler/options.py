@@ -75,21 +75,6 @@ class Options:
     def replace(self, **changes: Any) -> Options:
         return dataclasses.replace(self, **changes)
 
-    def to_json(self) -> dict[str, Any]:
-        """Every field as JSON values (mappings as objects, tuples as lists); `from_json` inverts it."""
-        return {f.name: _json(getattr(self, f.name)) for f in dataclasses.fields(self)}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Options:
-        """The Options `to_json` gave `data` (from mtkc itself: not validated again)."""
-        values = dict(data)
-        for key in TUPLE_FIELDS:
-            if values[key] is not None:
-                values[key] = tuple(values[key])
-        values["input_shapes"] = MappingProxyType({k: tuple(v) for k, v in values["input_shapes"].items()})
-        values["pass_options"] = MappingProxyType({k: MappingProxyType(dict(v)) for k, v in values["pass_options"].items()})
-        return cls(**values)
-
     def manifest(self) -> dict[str, Any]:
         """The options recorded in `manifest.json`: what shapes the output (not how it ran), as
         used; one left to a pass's own default (None) is not recorded."""
@@ -99,17 +84,6 @@ class Options:
 
 # not in the manifest: the SDK is a top-level key; run-only switches; per-graph planner fields
 NOT_RECORDED = ("sdk", "verify_each", "overwrite", "no_convert", "converter_timeout", "variant", "chunk", "max_positions")
-
-
-TUPLE_FIELDS = ("passes", "skip_passes", "plugins", "force_cpu", "force_npu")
-
-
-def _json(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: _json(v) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return [_json(v) for v in value]
-    return value
 
 
 def _plain(value: Any) -> Any:

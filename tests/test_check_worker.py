@@ -1,22 +1,28 @@
-"""`check --jobs 2`: compile's graphs after the first built by a child process (`mtkc.pipeline.worker`).
+"""`check --jobs 2`: the input's raw verdicts and compile's graphs after the first made by forked
+children (`mtkc.pipeline.worker`).
 
 The report is the in-process one, byte for byte, on exports from every exporter (with and without a
-KV cache, one and two layer chunks, rope_mode open and given). When the child's answer cannot be
-taken (another rope mode, a child that dies or prints garbage) the parent builds the graphs itself;
-an error in a later graph is reported as it is in-process, after the child's log records.
+KV cache, one and two layer chunks, rope_mode open and given). When a child's answer cannot be
+taken (another rope mode, a child that dies or writes garbage) the parent does its work itself;
+an error in a later graph is reported as it is in-process, after the child's log records, and an
+error in the raw verdicts before them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import sys
+import logging
+import os
 
 import pytest
 
 from mtkc import cli
 from mtkc.interrupts import GROUPS
-from mtkc.options import Options, of
+from mtkc.errors import InputError, PassError
+from mtkc.options import of
 from mtkc.pipeline import build as B
+from mtkc.pipeline import check as C
 from mtkc.pipeline import worker as W
 from mtkc.pipeline.check import check
 
@@ -37,15 +43,21 @@ CASES = [  # (family, exporter, cache, sdk, extra options)
 
 @pytest.fixture
 def built_here(monkeypatch):
-    """The names of the graphs this process builds (a worker's are built in the child)."""
+    """The names of the graphs this process builds, and "raw" each time it judges the input (a
+    child's work happens in the child, where the spy's list is the child's copy)."""
     names: list[str] = []
-    original = B.build_graph
+    build_graph, raw_assessment = B.build_graph, C.raw_assessment
 
     def spy(model, name, *args, **kwargs):
         names.append(name)
-        return original(model, name, *args, **kwargs)
+        return build_graph(model, name, *args, **kwargs)
+
+    def raw_spy(*args, **kwargs):
+        names.append("raw")
+        return raw_assessment(*args, **kwargs)
 
     monkeypatch.setattr(B, "build_graph", spy)
+    monkeypatch.setattr(C, "raw_assessment", raw_spy)
     return names
 
 
@@ -62,47 +74,44 @@ def test_two_jobs_report_the_same_bytes(capsys, exported, built_here, family, ex
     model = exported(family, exporter, cache=cache)
     alone = run(capsys, model, sdk, *extra, "--jobs", "1")
     graphs = [g["name"] for g in json.loads(alone[1])["graphs"]]
-    assert built_here == graphs
+    assert built_here == ["raw", *graphs]
     built_here.clear()
     assert run(capsys, model, sdk, *extra, "--jobs", "2") == alone
-    assert built_here == graphs[:1]  # the child's answer was taken
-    assert not GROUPS  # and the child is reaped
+    assert built_here == graphs[:1]  # the children's answers were taken
+    assert not GROUPS  # and the children are reaped
 
 
-def test_the_parent_builds_what_the_child_cannot_give(capsys, exported, built_here, monkeypatch):
-    """Another rope mode than the first graph's, a child that dies, one that prints garbage or JSON
-    that is no answer: the same report, every graph built here."""
+def test_the_parent_does_what_a_child_cannot_give(capsys, exported, built_here, monkeypatch):
+    """Another rope mode than the first graph's, children that die, write garbage or JSON that is no
+    answer: the same report, the input judged and every graph built here."""
     model = exported("qwen2", "legacy17", cache=True)
     alone = run(capsys, model, "8.0", "--jobs", "1")
-    collect = W.Worker.collect
+    collect, reply = W.Worker.collect, W._reply
     children = {
-        "other mode": None,
-        "dies": [sys.executable, "-c", "import sys; sys.exit(3)"],
-        "garbage": [sys.executable, "-c", "import sys; sys.stdin.read(); print('{\"graphs\": ')"],
-        "not an answer": [sys.executable, "-c", "import sys; sys.stdin.read(); print('{\"graphs\": [{}]}')"],
+        "other mode": lambda pipe, answer: reply(pipe, answer),
+        "dies": lambda pipe, answer: os._exit(3),
+        "garbage": lambda pipe, answer: os.write(pipe, b'{"result": '),
+        "not an answer": lambda pipe, answer: reply(pipe, {**answer, "result": [{}] if isinstance(answer["result"], list) else {}}),
     }
-    for why, command in children.items():
-        if command is None:
-            monkeypatch.setattr(W.Worker, "collect", lambda self, mode: collect(self, "no such mode"))
-        else:
-            monkeypatch.setattr(W.Worker, "collect", collect)
-            monkeypatch.setattr(W, "COMMAND", command)
+    for why, child in children.items():
+        monkeypatch.setattr(W.Worker, "collect", (lambda self, mode: collect(self, "no such mode")) if why == "other mode"
+                            else collect)
+        monkeypatch.setattr(W, "_reply", child)
         built_here.clear()
         assert run(capsys, model, "8.0", "--jobs", "2") == alone, why
-        assert built_here == ["prefill", "decode"], why
+        assert built_here == (["prefill", "decode"] if why == "other mode" else ["prefill", "raw", "decode"]), why
         assert not GROUPS
 
 
 def test_an_error_in_a_later_graph_is_reported_after_its_records(capsys, exported, monkeypatch):
     """The child's records replayed in order, then its error: compile would stop, the raw verdicts stand."""
     model = exported("qwen2", "legacy17", cache=True)
-    script = ("import logging, sys; from mtkc.pipeline import worker as W\n"
-              "def answer(job, records):\n"
-              "    real = W._fingerprint(W.Path(job['model']), len(W.load(job['model']).graph.nodes))\n"
-              "    logging.getLogger('mtkc.passes').warning('mtkc: decode says so')\n"
-              "    return {'fingerprint': real, 'graphs': [], 'error': {'type': 'PassError', 'message': 'decode broke'}}\n"
-              "W._answer = answer\nsys.exit(W.main())\n")
-    monkeypatch.setattr(W, "COMMAND", [sys.executable, "-c", script])
+
+    def broken(*args, **kwargs):  # the child's build_graph: the parent's is build's own
+        logging.getLogger("mtkc.passes").warning("mtkc: decode says so")
+        raise PassError("decode broke")
+
+    monkeypatch.setattr(W, "build_graph", broken)
     code, out, err = run(capsys, model, "8.0", "--jobs", "2")
     assert code == 0
     assert err.index("mtkc: decode says so") < err.index("mtkc: compile would stop: decode broke")
@@ -110,36 +119,71 @@ def test_an_error_in_a_later_graph_is_reported_after_its_records(capsys, exporte
     assert report["graphs"] == [] and report["unsupported"]
 
 
-def test_no_worker_where_it_cannot_pay_or_would_run_user_code(exported, tmp_path):
-    """Auto on a tiny graph, `jobs` 1, no later graph, a plugin or a pass that is not built in: none."""
+def test_an_error_in_the_raw_verdicts_comes_before_the_later_graphs(capsys, exported, monkeypatch):
+    """As in one process, where the input is judged first: its error ends check, no later graph's record shows."""
+    model = exported("qwen2", "legacy17", cache=True)
+
+    def noisy(*args, **kwargs):
+        logging.getLogger("mtkc.passes").warning("mtkc: decode says so")
+        raise PassError("decode broke")
+
+    def refused(*args, **kwargs):
+        raise InputError("the input is refused")
+
+    monkeypatch.setattr(W, "build_graph", noisy)
+    monkeypatch.setattr(W, "raw_assessment", refused)
+    code, out, err = run(capsys, model, "8.0", "--jobs", "2")
+    assert (code, out) == (2, "") and "the input is refused" in err and "decode says so" not in err
+    assert not GROUPS
+
+
+def test_a_bad_input_fails_alike_in_one_process_and_with_children(capsys, exported):
+    model = exported("qwen2", "legacy17", cache=True)
+    alone = run(capsys, model, "8.0", "--input-shape", "nosuch=1,8", "--jobs", "1")
+    assert alone[0] == 2 and "nosuch" in alone[2]
+    assert run(capsys, model, "8.0", "--input-shape", "nosuch=1,8", "--jobs", "2") == alone
+
+
+def test_no_child_where_it_cannot_pay_or_would_run_user_code(exported, tmp_path):
+    """Auto on a tiny graph, `jobs` 1; no later graph, a plugin or a pass that is not built in: none
+    builds later graphs."""
     model = exported("qwen2", "legacy17", cache=True)
     from mtkc.ir.model import load
     from mtkc.target import capability
 
     m, table = load(model), capability.load_table("8.0")
     rest = [B.plan_variants(m.graph, of({"seq_len": 8}))[1]]
-    assert W.Worker.start(m, of({"seq_len": 8}), rest, table, jobs=None) is None  # a tiny graph
-    assert W.Worker.start(m, of({"seq_len": 8}), rest, table, jobs=1) is None
-    assert W.Worker.start(m, of({"seq_len": 8}), [], table, jobs=2) is None
+    assert not W.wanted(m, None) and not W.wanted(m, 1) and W.wanted(m, 2)  # a tiny graph
+    assert W.Worker.later(m, of({"seq_len": 8}), [], table) is None
     plugin = tmp_path / "p.py"
     plugin.write_text("")
-    assert W.Worker.start(m, of({"seq_len": 8}).replace(plugins=(str(plugin),)), rest, table, jobs=2) is None
+    assert W.Worker.later(m, of({"seq_len": 8}).replace(plugins=(str(plugin),)), rest, table) is None
     entry_point = of({"seq_len": 8}).replace(passes=("bind-shapes", "an-entry-point"))
-    assert W.Worker.start(m, entry_point, rest, table, jobs=2) is None
-    started = W.Worker.start(m, of({"seq_len": 8}), rest, table, jobs=2)
+    assert W.Worker.later(m, entry_point, rest, table) is None
+    started = W.Worker.later(m, of({"seq_len": 8}), rest, table)
     started.close()
-    assert not GROUPS and started.proc.returncode is not None
-
-
-def test_options_survive_json():
-    options = of({"seq_len": 8, "cache_len": 32, "input_shapes": {"input_ids": [1, 8]}, "skip_passes": ["fold"],
-                  "force_cpu": ["op:Softmax"], "mask_value": -1e9, "rope_mode": "pos_emb", "chunks": 2,
-                  "pass_options": {"mine": {"k": 1.5, "on": True, "name": "x"}}})
-    assert Options.from_json(json.loads(json.dumps(options.to_json()))) == options
-    assert Options.from_json(json.loads(json.dumps(Options().to_json()))) == Options()
+    assert not GROUPS
+    with pytest.raises(ChildProcessError):  # reaped
+        os.waitpid(started.pid, 0)
 
 
 def test_the_api_takes_jobs(exported):
     model = exported("qwen2", "legacy17", cache=True)
     one, two = (check(model, "8.0", {"seq_len": 8}, jobs=j).to_json() for j in (1, 2))
     assert one == two and [g["name"] for g in one["graphs"]] == ["prefill", "decode"]
+
+
+@pytest.mark.parametrize("sdk", ["6.0", "8.0"])
+def test_the_raw_verdicts_survive_json(exported, sdk):
+    """What the raw child sends is what the parent gets back, down to the passes the table knows."""
+    from mtkc.ir.model import load
+    from mtkc.target import capability
+
+    table = capability.load_table(sdk)
+    raw, _ = B.raw_assessment(load(exported("qwen2", "legacy14", cache=True)), table, of({"seq_len": 8}))
+    assert raw.groups
+    first = raw.groups[0]  # a table that lists passes mtkc lacks (the remedy says "planned")
+    first.verdict = dataclasses.replace(first.verdict, known_passes=frozenset({"rope", "fold"}))
+    back = W.Assessment.from_json(json.loads(json.dumps(raw.to_json())))
+    assert back == raw
+    assert [g.verdict.known_passes for g in back.groups] == [g.verdict.known_passes for g in raw.groups]

@@ -4,6 +4,8 @@ OUT, no staging, no converter or worker process)."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -14,6 +16,8 @@ from pathlib import Path
 
 import pytest
 from hostile_kit import save, tiny, with_cpu_node
+
+PR_SET_CHILD_SUBREAPER = 36
 
 
 def _start(args, cwd: Path) -> subprocess.Popen:
@@ -96,34 +100,66 @@ def test_a_signal_during_conversion_kills_the_converter_and_cleans_the_staging(t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["conv.py", "converter.pid", "m.onnx"]  # no OUT, no staging
 
 
-def _worker_of(parent: int, timeout: float = 60) -> int:
-    """The pid of `mtkc.pipeline.worker` started by `parent`, once it runs."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        for entry in Path("/proc").iterdir():
-            try:
-                stat = (entry / "stat").read_text()
-                cmdline = (entry / "cmdline").read_bytes()
-            except (OSError, ValueError):
-                continue
-            if b"mtkc.pipeline.worker" in cmdline and int(stat.rsplit(")", 1)[1].split()[1]) == parent:
-                return int(entry.name)
-        time.sleep(0.01)
-    raise AssertionError("check never started its worker")
+def _children_of(parent: int) -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                found.add(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _stop_workers(parent: int, timeout: float = 60) -> set[int]:
+    """SIGSTOP each child `parent` forks (check's workers, `mtkc.pipeline.worker`) as soon as it is
+    seen, over 0.3 s from the first: check then waits for an answer that cannot come."""
+    end, stopped, first = time.monotonic() + timeout, set(), None
+    while time.monotonic() < end and (first is None or time.monotonic() < first + 0.3):
+        for pid in _children_of(parent) - stopped:
+            os.kill(pid, signal.SIGSTOP)
+            stopped.add(pid)
+            first = first or time.monotonic()
+        time.sleep(0.005)
+    assert stopped, "check never started its workers"
+    return stopped
+
+
+@contextlib.contextmanager
+def _adopting_orphans():
+    """This process adopts its descendants' orphans (PR_SET_CHILD_SUBREAPER), so a worker that
+    outlives check stays stopped and visible here (an orphaned stopped group would get SIGHUP from
+    the kernel and hide the leak); afterwards every adopted one is killed and reaped."""
+    prctl = ctypes.CDLL(None).prctl
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
+    try:
+        yield
+    finally:
+        prctl(PR_SET_CHILD_SUBREAPER, 0)
+        for pid in _children_of(os.getpid()):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_check_s_worker_ends_with_it(tmp_path, exported, sig):
-    """`check --jobs 2` killed (SIGTERM: exit 130; SIGKILL: the kernel's PDEATHSIG) leaves no worker."""
-    proc = _start(["check", exported("qwen2", "legacy17", cache=True), "--sdk", "8.0", "--jobs", "2"], tmp_path)
-    child = _worker_of(proc.pid)
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=30)
-    assert proc.returncode == (130 if sig == signal.SIGTERM else -signal.SIGKILL), err
-    end = time.monotonic() + 5
-    while _running(child) and time.monotonic() < end:
-        time.sleep(0.05)
-    assert not _running(child) and os.listdir(tmp_path) == []
+    """`check --jobs 2` killed (SIGTERM: exit 130; SIGKILL: the kernel's PDEATHSIG) while its workers
+    run leaves none behind (they are stopped first, so check is surely still waiting for them)."""
+    model = exported("qwen2", "legacy17", cache=True)
+    with _adopting_orphans():
+        for _ in range(3):  # a retry only if both workers answered before they were stopped (exit 0)
+            proc = _start(["check", model, "--sdk", "8.0", "--jobs", "2"], tmp_path)
+            children = _stop_workers(proc.pid)
+            proc.send_signal(sig)
+            _, err = proc.communicate(timeout=30)
+            if proc.returncode != 0:
+                break
+        assert proc.returncode == (130 if sig == signal.SIGTERM else -signal.SIGKILL), err
+        end = time.monotonic() + 5
+        while any(map(_running, children)) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert not any(map(_running, children)) and os.listdir(tmp_path) == []
 
 
 def _running(pid: int) -> bool:

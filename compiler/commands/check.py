@@ -30,8 +30,8 @@ def add_parser(sub) -> None:
     p.add_argument("--strict", action="store_true", help="exit 1 when compile would leave any node on the CPU")
     p.add_argument("-o", "--output", metavar="FILE", help="write the report to FILE instead of stdout")
     p.add_argument("-j", "--jobs", type=_jobs, metavar="N",
-                   help="processes for compile's graphs: 1, or 2 to build decode beside prefill "
-                        "(default: 2 for a graph of 5000 nodes or more on 2+ CPUs); the report is the same")
+                   help="1, or 2 to judge the input and build decode beside prefill in forked processes "
+                        "(Linux; default: 2 for a graph of 5000 nodes or more on 2+ CPUs); the report is the same")
     options.add_common(p)
     p.set_defaults(func=run)
 

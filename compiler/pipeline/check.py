@@ -18,12 +18,12 @@ import onnx_graphsurgeon as gs
 
 from mtkc.analysis.decoder import DecoderMap, decoder_map
 from mtkc.errors import MtkcError
-from mtkc.ir.model import load
+from mtkc.ir.model import Model, load
 from mtkc.pipeline.registry import load_registry
 from mtkc.options import Options, of
 from mtkc.passes.qdq import quantization_state
-from mtkc.pipeline.build import Build, build, plan_graphs, raw_assessment
-from mtkc.pipeline.worker import Worker
+from mtkc.pipeline.build import Build, Placement, build, plan_graphs, raw_assessment
+from mtkc.pipeline.worker import Worker, wanted
 from mtkc.rewrite.pass_api import Pass
 from mtkc.target import capability
 from mtkc.target.assess import Assessment, Group
@@ -151,8 +151,9 @@ def check(model_path, sdk: str, options: Options | dict[str, Any] | None = None,
 
     `options`: compile's options (typed, or a dict validated like the CLI's); keyword `values`
     are added to them (`check(m, "8.0", seq_len=8)`). `compiled=False`: only the raw verdicts.
-    `jobs`: processes for compile's graphs (1: this one; 2: the graphs after the first in a child,
-    `mtkc.pipeline.worker`; None: 2 for a big graph on a machine with 2 CPUs). Same report either way.
+    `jobs`: 1: everything in this process; 2: the raw verdicts and the graphs after the first in
+    forked children (`mtkc.pipeline.worker`); None: 2 for a big graph on a machine with 2 CPUs.
+    Same report either way.
     Plugins and pass names are checked before the model is read.
     """
     options = of(options)
@@ -170,52 +171,97 @@ def check(model_path, sdk: str, options: Options | dict[str, Any] | None = None,
         raw, unbound = raw_assessment(model, table, options)
         return CheckReport(table.version, table.arch, str(model_path), raw, unbound,
                            quantization=quantization_state(model.graph), decoder=decoder)
-    watch: set[str] = set()
-    fixed: dict[str, str] = {}
-
-    first = True  # the first pass's graph is judged whatever it did: the input's verdicts had dims bound
-
-    def track(p: Pass, graph: gs.Graph, touched: bool) -> None:
-        nonlocal first
-        pending = watch.difference(fixed)
-        if not pending or not (first or touched):  # all fixed, or the verdicts stand as after the pass before
-            return
-        first = False
-        nodes = {n.name: n for n in graph.nodes}
-        for name in sorted(pending):
-            node = nodes.get(name)
-            if node is None or table.supports(node, graph.opset, model.values):
-                fixed[name] = p.name
-
-    worker = _worker(model, options, table, decoder, jobs)
+    worker = later = None
     try:
-        raw_model = model.copy()
-        raw, unbound = raw_assessment(raw_model, table, options)
-        watch.update(n for g in raw.groups for n in g.nodes)
-        report = CheckReport(table.version, table.arch, str(model_path), raw, unbound,
-                             quantization=quantization_state(raw_model.graph), decoder=decoder)
+        if wanted(model, jobs):  # forked before any pass touches the graph
+            worker = Worker.raw(model, table, options)
+            later = _later(model, options, table, decoder)
+        raw = _Raw(model, table, options, worker)
+        fixed: dict[str, str] = {}
+        first = True  # the first pass's graph is judged whatever it did: the input's verdicts had dims bound
+
+        def track(p: Pass, graph: gs.Graph, touched: bool) -> None:
+            nonlocal first
+            pending = raw.watch.difference(fixed)
+            if not pending or not (first or touched):  # all fixed, or the verdicts stand as after the pass before
+                return
+            first = False
+            nodes = {n.name: n for n in graph.nodes}
+            for name in sorted(pending):
+                node = nodes.get(name)
+                if node is None or table.supports(node, graph.opset, model.values):
+                    fixed[name] = p.name
+
+        ahead = later and _RawFirst(raw, later)
         try:
-            result = build(model, options, table, observe=track, raw=False, suggest=True, decoder=decoder, ahead=worker)
+            result = build(model, options, table, observe=track, raw=False, suggest=True, decoder=decoder, ahead=ahead)
         except MtkcError as exc:  # the raw verdicts still stand; say why compile's outcome is missing
+            report = raw.report(model_path, decoder)
             log.warning("mtkc: compile would stop: %s; the verdict below is the input's", exc)
             return report
+        report = raw.report(model_path, decoder)
     finally:
-        if worker is not None:
-            worker.close()
+        for child in (worker, later):
+            if child is not None:
+                child.close()
     _add_build(report, result)
-    report.rewritten_by = fixed
+    watched = {n for g in report.assessment.groups for n in g.nodes}
+    report.rewritten_by = {name: p for name, p in fixed.items() if name in watched}
     return report
 
 
-def _worker(model, options: Options, table, decoder: DecoderMap, jobs: int | None) -> Worker | None:
-    """A worker building compile's graphs after the first (`mtkc.pipeline.worker`), started before
-    the raw verdicts; None when there are none, it would not pay, or planning fails (`build` then
-    fails the same way, reported as compile's outcome)."""
+class _Raw:
+    """The input's raw verdicts: made here before the build, or by a child (`Worker.raw`) and taken
+    when first needed. `watch`: the names whose fixing pass check tracks, the verdicts' own when
+    made here, else every node's (a superset: the same passes are found for the names that count)."""
+
+    def __init__(self, model: Model, table, options: Options, worker: Worker | None):
+        self.model, self.table, self.options, self.worker = model, table, options, worker
+        self.found: tuple[Assessment, list[str], dict] | None = None
+        if worker is None:
+            self.found = self._here(model.copy())
+            self.watch = {n for g in self.found[0].groups for n in g.nodes}
+        else:
+            self.watch = {n.name for n in model.graph.nodes}
+
+    def take(self) -> tuple[Assessment, list[str], dict]:
+        """The verdicts, unbound dims and quantization state; the child's error raised (once its
+        records are replayed). When the child gave no answer, made here on a fresh import."""
+        if self.found is None:
+            self.found = self.worker.raw_answer() or self._here(self.model.fresh())
+        return self.found
+
+    def report(self, model_path, decoder: DecoderMap) -> CheckReport:
+        raw, unbound, quantization = self.take()
+        return CheckReport(self.table.version, self.table.arch, str(model_path), raw, unbound,
+                           quantization=quantization, decoder=decoder)
+
+    def _here(self, model: Model) -> tuple[Assessment, list[str], dict]:
+        raw, unbound = raw_assessment(model, self.table, self.options)
+        return raw, unbound, quantization_state(model.graph)
+
+
+class _RawFirst:
+    """`build`'s `ahead`: the raw verdicts are taken (a failing input's error raised) before the
+    later graphs' placements and their records, in the order check made them in one process."""
+
+    def __init__(self, raw: _Raw, later: Worker):
+        self.raw, self.later = raw, later
+
+    def collect(self, rope_mode: str | None) -> list[Placement] | None:
+        self.raw.take()
+        return self.later.collect(rope_mode)
+
+
+def _later(model: Model, options: Options, table, decoder: DecoderMap) -> Worker | None:
+    """A child building compile's graphs after the first (`Worker.later`), forked before the
+    first's passes; None when there are none, a pass is not built in, or planning fails (`build`
+    then fails the same way, reported as compile's outcome)."""
     try:
         _, planned, (_, *rest) = plan_graphs(model.graph, options, decoder)
     except MtkcError:
         return None
-    return Worker.start(model, planned, rest, table, jobs)
+    return Worker.later(model, planned, rest, table)
 
 
 def _add_build(report: CheckReport, result: Build) -> None:

@@ -1,52 +1,48 @@
-"""check's second core: the graphs after the first (decode, ...) built by a child process while
-this one builds the first.
+"""check's second core: forks of mtkc do what needs the input as loaded while this process builds
+the first graph.
 
-    parent  load ─► Worker.start ─► raw verdicts ─► first graph's pipeline ─► Worker.collect
-    child   load ─► each later graph's pipeline ─► its placement
+    parent  load ─► fork, fork ─► first graph's pipeline ─► collect: raw verdicts, later graphs
+    child 1            └► the input's raw verdicts (`Worker.raw`)
+    child 2            └► each later graph's pipeline ─► its placement (`Worker.later`)
 
-The child is `python -m mtkc.pipeline.worker` in its own session, killed with mtkc
-(`mtkc.interrupts`). Its job arrives as JSON on stdin: the model's path, the SDK, the options
-(`Options.to_json`) and the graphs. Its answer leaves as JSON on stdout: each graph's placement and
-the rope mode its rope pass used, the log records it made, or the error that stopped it. It runs
-the very functions the parent would (`mtkc.pipeline.build`), so the placements are the same.
+A child is forked right after the load (Linux): it starts from the graph as loaded, shared
+copy-on-write, so nothing is read, parsed or copied again, and it runs the very functions the
+parent would (`mtkc.pipeline.build`). It is in its own process group, killed with mtkc
+(`mtkc.interrupts.forked`), with stdin, stdout and stderr on /dev/null. Its answer leaves as JSON
+on a pipe: the result, the log records it made, or the error that stopped it. The parent replays
+the records in order and raises the error, as if it had done the work itself.
 
-It only saves time. The parent takes the answer when:
-  - the rope mode each graph used is the one the first graph chose: the child runs with the mode the
-    user gave, so an open one is picked by each graph's own rope pass;
-  - the child read the same file (device, inode, size, mtime, node count) with the same mtkc.
-The parent then replays the child's log records in order and raises its error, as if it had built
-the graphs itself. Otherwise (or when the child fails or dies) it builds them itself.
-Not started when a pass is not built in (a plugin's or an entry point's: the user's code would run
-twice), for a table not from mtkc's catalog, or, unless asked (`jobs` 2), on one CPU or for a graph
-under MIN_NODES (starting a child costs more than the graph).
+It only saves time. The parent does the work itself when the child dies or its answer is not one,
+and takes the later graphs only when the rope mode each used is the one the first graph chose (the
+child runs with the mode the user gave, so an open one is picked by each graph's own rope pass).
+No child runs without `os.fork` (not Linux), with `jobs` 1 or, unless asked (`jobs` 2), on one
+CPU or for a graph under MIN_NODES; and no child builds later graphs when a pass is not built in (a
+plugin's or an entry point's: the user's code would run twice).
 """
 
 from __future__ import annotations
 
-import gc
+import contextlib
 import json
 import logging
 import os
-import subprocess
 import sys
-from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-import mtkc
 from mtkc import errors
-from mtkc.interrupts import GROUPS, die_with, kill_group
-from mtkc.ir.model import Model, load
+from mtkc.interrupts import GROUPS, forked, kill_group
+from mtkc.ir.model import Model
 from mtkc.options import Options
-from mtkc.pipeline.build import Placement, build_graph
+from mtkc.passes.qdq import quantization_state
+from mtkc.pipeline.build import Placement, build_graph, raw_assessment
 from mtkc.pipeline.registry import builtin_passes
-from mtkc.target import capability
-from mtkc.target.model import Table
+from mtkc.target.assess import Assessment
 
 log = logging.getLogger("mtkc")
 
-COMMAND = [sys.executable, "-m", "mtkc.pipeline.worker"]
-MIN_NODES = 5_000  # measured: 618 nodes +0.5 s with a child, 6184 nodes (0.5B, 24 layers) -0.9 s
+MIN_NODES = 5_000  # measured with a fresh interpreter per child: 618 nodes +0.5 s, 6184 nodes (0.5B) -0.9 s
 ERRORS = {c.__name__: c for c in (errors.InputError, errors.PassError, errors.InternalError)}
+FORKS = hasattr(os, "fork") and sys.platform.startswith("linux")
 
 
 def cpus() -> int:
@@ -54,83 +50,119 @@ def cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-class Worker:
-    """One child building `variants` of `model`'s file; `collect` waits for its placements."""
+def wanted(model: Model, jobs: int | None) -> bool:
+    """Whether children pay for `model` (`jobs` None: by size and CPUs; 1: never; 2: always)."""
+    if not FORKS:
+        return False
+    return len(model.graph.nodes) >= MIN_NODES and cpus() >= 2 if jobs is None else jobs >= 2
 
-    def __init__(self, proc: subprocess.Popen, fingerprint: list):
-        self.proc, self.fingerprint, self.closed = proc, fingerprint, False
+
+class Worker:
+    """One forked child computing `job()`, a JSON-able result; `answer` waits for it."""
+
+    def __init__(self, job: Callable[[], Any]):
+        parent = os.getpid()
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            os.close(read)
+            _child(parent, job, write)
+        os.close(write)
+        with contextlib.suppress(OSError):  # the child may have set it already, or be gone
+            os.setpgid(pid, pid)
+        GROUPS.add(pid)
+        self.pid, self.pipe, self.closed = pid, read, False
+        self.taken: tuple[Any, Exception | None] | None = None  # (result, error), once read
 
     @classmethod
-    def start(cls, model: Model, options: Options, variants: list, table, jobs: int | None = None) -> Worker | None:
-        """A worker for `variants` (the plan's graphs after the first, `options` with the LLM defaults
-        bound); None when it would not pay (module docstring) or `jobs` is 1. `jobs` None: by size."""
-        wanted = len(model.graph.nodes) >= MIN_NODES and cpus() >= 2 if jobs is None else jobs >= 2
-        if not variants or not wanted or _user_code(options) or not _catalog(table):
-            return None
-        job = {"model": str(model.path), "sdk": table.version, "arch": table.arch, "options": options.to_json(),
-               "variants": [{"name": v.name, "options": v.options} for v in variants],
-               "level": log.getEffectiveLevel(), "mtkc": mtkc.__file__}
-        proc = subprocess.Popen(COMMAND, stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=die_with(os.getpid()))
-        GROUPS.add(proc.pid)
-        try:
-            proc.stdin.write(json.dumps(job).encode())
-            proc.stdin.close()
-        except OSError:  # the child is gone already: collect says so
-            pass
-        return cls(proc, _fingerprint(model.path, len(model.graph.nodes)))
+    def raw(cls, model: Model, table, options: Options) -> Worker:
+        """The input's raw verdicts (`raw_assessment`), its unbound dims and quantization state;
+        `raw_answer` takes them."""
+        def job() -> dict:
+            assessment, unbound = raw_assessment(model, table, options)
+            return {"assessment": assessment.to_json(), "unbound": unbound,
+                    "quantization": quantization_state(model.graph)}
+        return cls(job)
 
-    def collect(self, rope_mode: str | None) -> list[Placement] | None:
-        """The child's placements, its log records replayed and its error raised; None when the
-        parent must build the graphs itself (the module docstring's conditions)."""
+    @classmethod
+    def later(cls, model: Model, options: Options, variants: list, table) -> Worker | None:
+        """The plan's graphs after the first (`options` with the LLM defaults bound), built as
+        `build` would; `collect` takes their placements. None when there are none or a pass is not
+        built in (the module docstring)."""
+        if not variants or _user_code(options):
+            return None
+
+        def job() -> list[dict]:
+            graphs = []
+            for i, v in enumerate(variants, 1):
+                start = model if i == len(variants) else model.copy()
+                built = build_graph(start, v.name, options.replace(**v.options), table, None)
+                rope = next((p for p in built.compiled.pipeline.passes if p.name == "rope"), None)
+                graphs.append({"name": built.name, "partitions": built.partitions, "coverage": built.coverage,
+                               "rope_mode": rope.mode if rope is not None else None})
+            return graphs
+        return cls(job)
+
+    def answer(self) -> Any:
+        """The child's result, its log records replayed (once) and its error raised (each time);
+        None when it gave no answer (it died, or wrote something else)."""
+        if self.taken is None:
+            self.taken = self._read()
+        result, error = self.taken
+        if error is not None:
+            raise error
+        return result
+
+    def _read(self) -> tuple[Any, Exception | None]:
         try:
-            out = self.proc.stdout.read()  # to the end: the child wrote all or died
+            data = b"".join(iter(lambda: os.read(self.pipe, 1 << 20), b""))  # to the end: all, or it died
         finally:
             self.close()
         try:
-            answer = json.loads(out)
-            graphs = [(Placement(g["name"], g["partitions"], g["coverage"]), g["rope_mode"]) for g in answer["graphs"]]
+            answer = json.loads(data)
             error = None if answer["error"] is None else ERRORS[answer["error"]["type"]](answer["error"]["message"])
             records = [logging.makeLogRecord(r) for r in answer["logs"]]
-            taken = answer["fingerprint"] == self.fingerprint and all(m in (None, rope_mode) for _, m in graphs)
-        except (ValueError, KeyError, TypeError):  # not an answer: the child died while writing it
-            taken = False
-        if not taken:
-            log.debug("mtkc: the worker's graphs are not taken (exit %s); building them here", self.proc.returncode)
-            return None
+            result = answer["result"]
+        except (ValueError, KeyError, TypeError):
+            log.debug("mtkc: a worker gave no answer; doing its work here")
+            return None, None
         for record in records:
             log.handle(record)
-        if error is not None:
-            raise error
-        return [placement for placement, _ in graphs]
+        return result, error
+
+    def raw_answer(self) -> tuple[Assessment, list[str], dict] | None:
+        """`raw`'s verdicts, unbound dims and quantization state, or None (see `answer`)."""
+        result = self.answer()
+        try:
+            return result and (Assessment.from_json(result["assessment"]), list(result["unbound"]),
+                               dict(result["quantization"]))
+        except (KeyError, TypeError, ValueError):
+            log.debug("mtkc: the worker's verdicts are not taken; judging the input here")
+            return None
+
+    def collect(self, rope_mode: str | None) -> list[Placement] | None:
+        """`later`'s placements (`build`'s `ahead`), or None when the parent must build the graphs
+        itself: no answer, or a rope mode other than `rope_mode`."""
+        graphs = self.answer()
+        try:
+            if graphs is not None and all(g["rope_mode"] in (None, rope_mode) for g in graphs):
+                return [Placement(g["name"], g["partitions"], g["coverage"]) for g in graphs]
+        except (KeyError, TypeError):
+            pass
+        log.debug("mtkc: the worker's graphs are not taken; building them here")
+        return None
 
     def close(self) -> None:
         """Kill the child's group and reap it (once: a reaped pid may be another process's)."""
         if not self.closed:
             self.closed = True
-            self.proc.stdout.close()
-            kill_group(self.proc)
+            os.close(self.pipe)
+            kill_group(self.pid)
 
 
 def _user_code(options: Options) -> bool:
     """Whether the pipeline may run a pass that is not built in (a plugin file or module, an entry point)."""
     return bool(options.plugins) or not set(options.passes or ()) <= set(builtin_passes())
-
-
-def _catalog(table) -> bool:
-    """Whether `table` is the catalog's own for its SDK and arch (the one the child loads)."""
-    if not isinstance(table, Table):
-        return False
-    try:
-        return capability.load_table(table.version, table.arch) == table
-    except errors.MtkcError:
-        return False
-
-
-def _fingerprint(path: Path, nodes: int) -> list:
-    st = path.stat()
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, nodes, mtkc.__file__]
 
 
 class _Records(logging.Handler):
@@ -145,44 +177,28 @@ class _Records(logging.Handler):
                              "msg": record.getMessage(), "args": None})
 
 
-def _answer(job: dict, records: _Records) -> dict:
-    """The child's work: each graph's placement, or the error of the first graph that fails (the
-    records of its load dropped: the parent logged its own)."""
-    model = load(job["model"])
-    records.records.clear()
-    fingerprint = _fingerprint(model.path, len(model.graph.nodes))
-    if job["mtkc"] != mtkc.__file__:
-        return {"fingerprint": None, "graphs": [], "error": None}
-    table = capability.load_table(job["sdk"], job["arch"])
-    options = Options.from_json(job["options"])
-    graphs, error, variants = [], None, job["variants"]
+def _child(parent: int, job: Callable[[], Any], pipe: int) -> None:
+    """Run `job` in the fork and write its answer to `pipe`; exit 0, or 1 on anything unexpected
+    (the parent then does the work itself)."""
+    code = 1
     try:
-        for i, v in enumerate(variants, 1):
-            start = model if i == len(variants) else model.copy()
-            built = build_graph(start, v["name"], options.replace(**v["options"]), table, None)
-            rope = next((p for p in built.compiled.pipeline.passes if p.name == "rope"), None)
-            graphs.append({"name": built.name, "partitions": built.partitions, "coverage": built.coverage,
-                           "rope_mode": rope.mode if rope is not None else None})
-    except tuple(ERRORS.values()) as exc:
-        error = {"type": type(exc).__name__, "message": str(exc)}
-    return {"fingerprint": fingerprint, "graphs": graphs, "error": error}
+        forked(parent)
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        records = _Records()
+        log.handlers[:], log.propagate = [records], False
+        try:
+            result, error = job(), None
+        except tuple(ERRORS.values()) as exc:
+            result, error = None, {"type": type(exc).__name__, "message": str(exc)}
+        _reply(pipe, {"result": result, "error": error, "logs": records.records})
+        code = 0
+    finally:
+        os._exit(code)  # nothing of the parent's runs here: no atexit, no buffers flushed twice
 
 
-def main() -> int:
-    """The child: a job on stdin, its answer on stdout (exit 1 on anything else, the parent then
-    builds the graphs itself)."""
-    gc.disable()  # as the parent's check (`mtkc.cli.collector`)
-    job = json.loads(sys.stdin.buffer.read())
-    records = _Records()
-    log.handlers[:], log.propagate = [records], False
-    log.setLevel(job["level"])
-    answer = _answer(job, records)
-    answer["logs"] = records.records
-    sys.stdout.write(json.dumps(answer))
-    return 0
-
-
-if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)  # the answer is out: not a second spent freeing the graphs
+def _reply(pipe: int, answer: dict) -> None:
+    data = memoryview(json.dumps(answer).encode())
+    while data:
+        data = data[os.write(pipe, data):]

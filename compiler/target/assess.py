@@ -52,6 +52,32 @@ class Assessment:
     def partitions(self) -> int:
         return len(self.partition_sizes)
 
+    def to_json(self) -> dict:
+        """Every field, for another process (`from_json` gives an equal Assessment back)."""
+        return {"nodes": self.nodes, "supported": self.supported, "partition_sizes": self.partition_sizes,
+                "constants": self.constants,
+                "groups": [{"op": g.op, "domain": g.domain, "nodes": g.nodes,
+                            "verdict": {**{k: getattr(g.verdict, k) for k in _VERDICT_FIELDS},
+                                        "known_passes": _sorted(g.verdict.known_passes)}} for g in self.groups]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Assessment:
+        groups = []
+        for g in data["groups"]:
+            v = g["verdict"]
+            known = v["known_passes"]
+            verdict = Verdict(**{k: v[k] for k in _VERDICT_FIELDS if k != "passes"}, passes=tuple(v["passes"]),
+                              known_passes=None if known is None else frozenset(known))
+            groups.append(Group(g["op"], g["domain"], verdict, list(g["nodes"])))
+        return cls(data["nodes"], data["supported"], list(data["partition_sizes"]), groups, data["constants"])
+
+
+_VERDICT_FIELDS = ("supported", "target", "reason", "detail", "passes", "first_sdk", "hint")
+
+
+def _sorted(names: frozenset[str] | None) -> list[str] | None:
+    return None if names is None else sorted(names)
+
 
 def assess(graph: gs.Graph, table: Table, opset: int | None = None,
            read_values: Callable[[gs.Constant], np.ndarray] | None = None) -> Assessment:
