@@ -41,6 +41,7 @@ STAGES: set[Path] = set()  # staging folders being written (`mtkc.backend.stagin
 _PR_SET_PDEATHSIG = 1
 _PRCTL = getattr(ctypes.CDLL(None), "prctl", None) if sys.platform.startswith("linux") else None
 GROUPS: set[int] = set()  # child process groups running now (`mtkc.backend.handoff`)
+WATCHDOG_THREAD = "mtkc-watchdog"  # the one thread `forked` may leave behind (it only waits in select)
 
 
 class Expired(Exception):
@@ -64,7 +65,7 @@ class _Watchdog:
         self.read, self.write = os.pipe()
         os.set_blocking(self.write, False)
         self.closing = False
-        self.thread = threading.Thread(target=self._loop, name="mtkc-watchdog", daemon=True)
+        self.thread = threading.Thread(target=self._loop, name=WATCHDOG_THREAD, daemon=True)
 
     def _loop(self) -> None:
         while True:

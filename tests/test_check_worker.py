@@ -11,9 +11,11 @@ error in the raw verdicts before them.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
+import threading
 
 import pytest
 
@@ -39,6 +41,15 @@ CASES = [  # (family, exporter, cache, sdk, extra options)
     ("llama", "legacy17", False, "8.0", ("--kv-cache",)),
     ("llama", "hf", False, "6.0", ()),  # one graph: no worker
 ]
+
+
+@pytest.fixture(autouse=True)
+def alone(request, monkeypatch):
+    """check as the CLI runs it, in a process with no thread of its own: earlier tests in this
+    process may have left some (tqdm's monitor), which would keep check from forking
+    (`test_no_fork_beside_a_host_program_s_threads` tests that)."""
+    if "host_threads" not in request.keywords:
+        monkeypatch.setattr(W, "_other_threads", lambda: [])
 
 
 @pytest.fixture
@@ -165,6 +176,37 @@ def test_no_child_where_it_cannot_pay_or_would_run_user_code(exported, tmp_path)
     assert not GROUPS
     with pytest.raises(ChildProcessError):  # reaped
         os.waitpid(started.pid, 0)
+
+
+@pytest.mark.host_threads
+def test_no_fork_beside_a_host_program_s_threads(exported):
+    """A fork copies the locks other threads hold: with one running, check stays in one process."""
+    from mtkc.ir.model import load
+
+    m, stop = load(exported("qwen2", "legacy17", cache=True)), threading.Event()
+    before = W._other_threads()  # what earlier tests in this process left running
+    host = threading.Thread(target=stop.wait, name="host-pool")
+    host.start()
+    try:
+        assert W._other_threads() == [*before, "host-pool"] and not W.wanted(m, 2)
+    finally:
+        stop.set()
+        host.join()
+    assert W._other_threads() == before and W.wanted(m, 2) == (not before)
+
+
+def test_a_fork_the_system_refuses_leaves_the_work_here(capsys, exported, built_here, monkeypatch):
+    model = exported("qwen2", "legacy17", cache=True)
+    alone = run(capsys, model, "8.0", "--jobs", "1")
+
+    def refused():
+        raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(W.os, "fork", refused)
+    built_here.clear()
+    assert run(capsys, model, "8.0", "--jobs", "2") == alone
+    assert built_here == ["raw", "prefill", "decode"]
+    assert not GROUPS
 
 
 def test_the_api_takes_jobs(exported):

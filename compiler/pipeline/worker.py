@@ -15,9 +15,11 @@ the records in order and raises the error, as if it had done the work itself.
 It only saves time. The parent does the work itself when the child dies or its answer is not one,
 and takes the later graphs only when the rope mode each used is the one the first graph chose (the
 child runs with the mode the user gave, so an open one is picked by each graph's own rope pass).
-No child runs without `os.fork` (not Linux), with `jobs` 1 or, unless asked (`jobs` 2), on one
-CPU or for a graph under MIN_NODES; and no child builds later graphs when a pass is not built in (a
-plugin's or an entry point's: the user's code would run twice).
+No child runs without `os.fork` (not Linux), when the system cannot fork one, in a process running
+threads other than mtkc's watchdog (a host program's: a fork copies the locks they hold), with
+`jobs` 1 or, unless asked (`jobs` 2), on one CPU or for a graph under MIN_NODES; and no child builds
+later graphs when a pass is not built in (a plugin's or an entry point's: the user's code would run
+twice).
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ import json
 import logging
 import os
 import sys
+import threading
 from typing import Any, Callable
 
 from mtkc import errors
-from mtkc.interrupts import GROUPS, forked, kill_group
+from mtkc.interrupts import GROUPS, WATCHDOG_THREAD, forked, kill_group
 from mtkc.ir.model import Model
 from mtkc.options import Options
 from mtkc.passes.qdq import quantization_state
@@ -51,10 +54,17 @@ def cpus() -> int:
 
 
 def wanted(model: Model, jobs: int | None) -> bool:
-    """Whether children pay for `model` (`jobs` None: by size and CPUs; 1: never; 2: always)."""
-    if not FORKS:
+    """Whether children pay for `model` (`jobs` None: by size and CPUs; 1: never; 2: always). Never
+    in a process running threads of its own (a host program's: a fork copies the locks they hold)."""
+    if not FORKS or _other_threads():
         return False
     return len(model.graph.nodes) >= MIN_NODES and cpus() >= 2 if jobs is None else jobs >= 2
+
+
+def _other_threads() -> list[str]:
+    """The names of the threads running beside this one, mtkc's watchdog aside (tqdm's monitor, a
+    server's pool: whatever a host program started)."""
+    return [t.name for t in threading.enumerate() if t is not threading.current_thread() and t.name != WATCHDOG_THREAD]
 
 
 class Worker:
@@ -63,7 +73,12 @@ class Worker:
     def __init__(self, job: Callable[[], Any]):
         parent = os.getpid()
         read, write = os.pipe()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:
+            os.close(read)
+            os.close(write)
+            raise
         if pid == 0:  # the child: never returns
             os.close(read)
             _child(parent, job, write)
@@ -75,14 +90,14 @@ class Worker:
         self.taken: tuple[Any, Exception | None] | None = None  # (result, error), once read
 
     @classmethod
-    def raw(cls, model: Model, table, options: Options) -> Worker:
+    def raw(cls, model: Model, table, options: Options) -> Worker | None:
         """The input's raw verdicts (`raw_assessment`), its unbound dims and quantization state;
         `raw_answer` takes them."""
         def job() -> dict:
             assessment, unbound = raw_assessment(model, table, options)
             return {"assessment": assessment.to_json(), "unbound": unbound,
                     "quantization": quantization_state(model.graph)}
-        return cls(job)
+        return cls._start(job)
 
     @classmethod
     def later(cls, model: Model, options: Options, variants: list, table) -> Worker | None:
@@ -101,7 +116,16 @@ class Worker:
                 graphs.append({"name": built.name, "partitions": built.partitions, "coverage": built.coverage,
                                "rope_mode": rope.mode if rope is not None else None})
             return graphs
-        return cls(job)
+        return cls._start(job)
+
+    @classmethod
+    def _start(cls, job: Callable[[], Any]) -> Worker | None:
+        """A child for `job`, or None when the system cannot fork one now (this process does the work)."""
+        try:
+            return cls(job)
+        except OSError as exc:
+            log.debug("mtkc: no worker (%s); doing its work here", exc)
+            return None
 
     def answer(self) -> Any:
         """The child's result, its log records replayed (once) and its error raised (each time);
