@@ -213,7 +213,8 @@ def check(model_path, sdk: str, options: Options | dict[str, Any] | None = None,
 class _Raw:
     """The input's raw verdicts: made here before the build, or by a child (`Worker.raw`) and taken
     when first needed. `watch`: the names whose fixing pass check tracks, the verdicts' own when
-    made here, else every node's (a superset: the same passes are found for the names that count)."""
+    made here, else every judged node's (a superset: the same passes are found for the names that
+    count)."""
 
     def __init__(self, model: Model, table, options: Options, worker: Worker | None):
         self.model, self.table, self.options, self.worker = model, table, options, worker
@@ -222,7 +223,7 @@ class _Raw:
             self.found = self._here(model.copy())
             self.watch = {n for g in self.found[0].groups for n in g.nodes}
         else:
-            self.watch = {n.name for n in model.graph.nodes}
+            self.watch = {n.name for n in model.graph.nodes if n.op != "Constant"}  # `assess` judges no Constant
 
     def take(self) -> tuple[Assessment, list[str], dict]:
         """The verdicts, unbound dims and quantization state; the child's error raised (once its
