@@ -1,14 +1,13 @@
-"""The weights file's copies run on a thread (`mtkc.ir.copier`) while compile builds the next graph:
-the file is the same whatever the timing, a failed copy is the error a synchronous one was, and a
-compile that fails after its first graph was written leaves nothing behind."""
+"""The weights file's copies run in a process of their own (`mtkc.ir.copier`) while compile builds
+the next graph: the file is the same whatever the timing, a failed copy is the error a synchronous
+one was, and a compile that fails after its first graph was written leaves nothing behind. (The
+child is forked on the first copy, so a test's monkeypatching reaches it.)"""
 
 from __future__ import annotations
 
 import errno
 import json
 import os
-import sys
-import threading
 import time
 
 import numpy as np
@@ -17,6 +16,7 @@ import onnx_graphsurgeon as gs
 import pytest
 
 from mtkc.errors import InputError
+from mtkc.interrupts import GROUPS
 from mtkc.ir import copier, weights
 from mtkc.ir.model_checks import ExternalDataError
 from mtkc.pipeline import build as B
@@ -80,7 +80,7 @@ def _initializers(proto):
     yield from proto.graph.initializer
 
 
-def test_a_copy_that_fails_on_the_thread_names_the_tensor_and_leaves_nothing(tmp_path, monkeypatch):
+def test_a_copy_that_fails_in_the_copier_names_the_tensor_and_leaves_nothing(tmp_path, monkeypatch):
     src = tmp_path / "src"
     src.mkdir()
     graph = _graph_of(src, {"A": RNG.standard_normal(1024).astype(np.float32)})
@@ -97,17 +97,21 @@ def test_a_copy_that_fails_on_the_thread_names_the_tensor_and_leaves_nothing(tmp
 
 def test_a_full_disk_the_idle_sync_reports_is_raised_as_the_os_said(tmp_path, monkeypatch):
     (tmp_path / "src").write_bytes(b"x" * 4096)
-    synced = threading.Event()
+    (tmp_path / "synced").mkdir()
 
     def full(fd):
-        synced.set()
+        (tmp_path / "synced" / "now").touch()  # the child's: seen here on disk
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(copier.os, "fdatasync", full)
     with open(tmp_path / "src", "rb") as src, open(tmp_path / "dst", "wb") as dst:
         c = copier.Copier()
         c.put(src.fileno(), dst.fileno(), 0, 4096, 0, "src")
-        assert synced.wait(10)  # the queue ran dry: the thread synced
+        c.flush()
+        end = time.monotonic() + 10
+        while not (tmp_path / "synced" / "now").exists():  # the queue ran dry: the child synced
+            assert time.monotonic() < end
+            time.sleep(0.01)
         with pytest.raises(OSError, match="No space left"):
             c.finish()
     assert (tmp_path / "dst").read_bytes() == b"x" * 4096
@@ -121,10 +125,36 @@ def test_a_cancelled_copier_stops_and_closes_what_it_held(tmp_path, monkeypatch)
         c = copier.Copier()
         for i in range(20):
             c.put(src.fileno(), dst.fileno(), 0, 4096, i * 4096, "src")
+        c.flush()
+        child = c._pid
         c.cancel()  # the copy under way ends, the 19 queued are dropped
-        assert not c._thread.is_alive()
+        with pytest.raises(ChildProcessError):  # killed and reaped
+            os.waitpid(child, 0)
     assert len(os.listdir("/proc/self/fd")) == before
     assert os.path.getsize(tmp_path / "dst") <= 2 * 4096
+
+
+def test_copies_run_beside_a_caller_holding_the_gil(tmp_path):
+    """The reason for a process: a thread needs the GIL back after every copy, and a caller inside
+    a long C call (ONNX's shape inference) keeps it. Here the caller holds it in one C call (a
+    regex over a pathological input) while 64 copies must finish."""
+    import re
+
+    data = RNG.integers(0, 256, 64 * 4096, dtype=np.uint8).tobytes()
+    (tmp_path / "src").write_bytes(data)
+    with open(tmp_path / "src", "rb") as src, open(tmp_path / "dst", "wb") as dst:
+        c = copier.Copier()
+        for i in range(64):
+            c.put(src.fileno(), dst.fileno(), i * 4096, 4096, i * 4096, "src")
+        c.flush()
+        started = time.perf_counter()
+        re.match(r"(a|aa)+$", "a" * 34 + "b")  # about a second in C, the GIL held throughout
+        held = time.perf_counter() - started
+        waited = time.perf_counter()
+        c.wait(dst.fileno(), len(data))
+        assert time.perf_counter() - waited < held / 4  # done while the caller held the GIL
+        c.finish()
+    assert (tmp_path / "dst").read_bytes() == data
 
 
 @pytest.fixture
@@ -167,7 +197,7 @@ def test_a_later_graph_failing_after_the_first_was_written_leaves_nothing(error,
         compile_model(kv_model, "8.0", parent / "out", options)
     assert calls == ["prefill", "decode"] and stages  # prefill went to the staging folder first
     assert _listing(parent) == []  # no OUT, no staging, no weights file
-    assert not [t for t in threading.enumerate() if t.name == "mtkc-weights"]  # its copies stopped
+    assert not GROUPS  # its copies stopped: the copier's child killed and reaped
     missing = tmp_path / "missing" / "deeper"
     with pytest.raises(error, match="refused for the test"):
         compile_model(kv_model, "8.0", missing / "out", options)
@@ -186,26 +216,13 @@ def test_writing_each_graph_as_it_is_built_gives_the_bytes_of_writing_them_at_th
             assert (early / name).read_bytes() == (late / name).read_bytes(), name
 
 
-def test_the_switch_interval_is_short_only_while_copies_run(tmp_path, monkeypatch):
-    (tmp_path / "src").write_bytes(b"z" * 4096)
-    _slow_copies(monkeypatch, 0.1)
-    before = sys.getswitchinterval()
-    with open(tmp_path / "src", "rb") as src, open(tmp_path / "dst", "wb") as dst:
-        c = copier.Copier()
-        c.put(src.fileno(), dst.fileno(), 0, 4096, 0, "src")
-        assert sys.getswitchinterval() == min(before, copier.SWITCH_SECONDS)  # the copy is under way
-        c.finish()
-    assert sys.getswitchinterval() == before
-    assert (tmp_path / "dst").read_bytes() == b"z" * 4096
-
-
-def test_a_cancel_stops_a_large_copy_between_pieces(tmp_path, monkeypatch):
+def test_a_cancel_stops_a_large_copy_at_once(tmp_path, monkeypatch):
     (tmp_path / "src").write_bytes(bytes(64 * 1024))
-    monkeypatch.setattr(copier, "PIECE", 4096)
-    _slow_copies(monkeypatch, 0.05)  # 16 pieces: 0.8 s whole
+    _slow_copies(monkeypatch, 5.0)  # one copy that would take 5 s
     with open(tmp_path / "src", "rb") as src, open(tmp_path / "dst", "wb") as dst:
         c = copier.Copier()
         c.put(src.fileno(), dst.fileno(), 0, 64 * 1024, 0, "src")
+        c.flush()
         time.sleep(0.1)
         started = time.perf_counter()
         c.cancel()

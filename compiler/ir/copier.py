@@ -1,196 +1,261 @@
-"""Copy byte ranges of the source model's weight files into the files being written, on a thread of
-its own.
+"""Copy byte ranges of the source model's weight files into the files being written, in a process
+of their own.
 
     copier = Copier()
-    copier.put(src, dst, offset, nbytes, at, what)   # queued (src duplicated); returns at once
+    copier.put(src, dst, offset, nbytes, at, what)   # queued (the descriptors duplicated); returns at once
+    copier.flush()                            # the queued copies start (sent to the child)
     ...                                       # the caller goes on (its next graph's passes)
     copier.wait(dst, end)                     # every byte of dst below `end` queued so far is written
     copier.finish()                           # all written and synced; the first error raised
 
-The copies are I/O (`copy_file_range` in the kernel; the GIL is released), so they overlap the
-caller's CPU work. Each lands at the offset the caller assigned (`pwrite` semantics), so a file
-is the same whatever the timing. When its queue runs dry the thread syncs the files it wrote, so
-the caller's final fsync is short. A copy that fails (the source truncated or unreadable, the disk
-full) stops the rest; `put` / `wait` / `finish` raise it (`copy_error`): a read error as an
-InputError naming the source file and tensor, a full or read-only disk and a failed sync as the
-OSError they were, for the caller to name its output folder (`mtkc.backend.staging.disk_errors`).
-
-The thread touches Python as little as it can (one call per copy, on a duplicate of the caller's
-open source file), but each call takes the GIL back from a busy caller, which can take a whole
-switch interval: while it runs the interval is `SWITCH_SECONDS`, not Python's 5 ms (measured at
-0.5B dims, 242 copies beside the decode graph's build: the copies ended 1.3-1.4 s after the
-build with 5 ms, 0.04-0.16 s with 0.5 ms; the build itself no slower). At most `QUEUED` copies
-wait (each holds a descriptor). The caller keeps every `dst`
-open until `finish` or `cancel` returns.
+The copies are I/O (`copy_file_range` in the kernel), so they overlap the caller's CPU work. They
+run in a fork of the caller (Linux), started on the first `put`, not on a thread: a thread needs
+the GIL back after every copy, and the caller holds it through whole C calls (ONNX's shape
+inference: measured, 2.5 GB beside a loop of them took 8.7-9.3 s on a thread against 0.8 s alone).
+Jobs reach the child on a socket with their descriptors (SCM_RIGHTS), in batches: a graph's
+copies are sent when it is written (`flush`), so the socket's small buffer never makes the caller
+wait for the child (one message per job did: 2.8 s to write a 48-layer prefill, against 0.16 s). The child answers only when asked (`wait`,
+`finish`: a ping, answered once every job before it is done) or with the error that stopped it, so
+it never waits for a caller that is busy building (answers to every job did: at 48 layers the child
+stalled after 279 of 483 copies until the caller next read). Each copy lands at the offset the
+caller assigned (`pwrite` semantics), so a file is the same whatever the timing. When its queue
+runs dry (`DRY_SECONDS` without a job: the caller builds its next graph) the child syncs the files
+it wrote, so the caller's final fsync is short (not after each job: a child faster than the
+caller's queueing would sync after nearly every one). A copy that fails (the source truncated or unreadable, the disk full) stops the rest; `put` / `wait` /
+`finish` raise it (`copy_error`): a read error as an InputError naming the source file and tensor,
+a full or read-only disk and a failed sync as the OSError they were, for the caller to name its
+output folder (`mtkc.backend.staging.disk_errors`). `cancel` kills the child at once. The child
+runs nothing but these system calls, so unlike check's workers it is forked beside a host's
+threads too. Without a fork (not Linux) `put` copies before it returns.
 """
 
 from __future__ import annotations
 
-import collections
+import json
 import os
+import select
+import socket
 import sys
-import threading
 
 from mtkc.errors import FULL_DISK, InputError
+from mtkc.interrupts import GROUPS, forked, kill_group
 from mtkc.ir.model_checks import ExternalDataError
 
 CHUNK = 16 << 20  # bytes per read when the kernel cannot copy
 KERNEL_CHUNK = 1 << 30  # bytes per copy_file_range call
-PIECE = 64 << 20  # bytes a cancel may wait for (a copy is made in pieces: Ctrl-C must end mtkc within a second)
-
-
-def _queued() -> int:
-    """Copies allowed to wait: a quarter of the descriptors this process may open, 16 to 4096."""
-    try:
-        import resource
-    except ImportError:
-        return 64
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return 4096 if soft == resource.RLIM_INFINITY else min(4096, max(16, soft // 4))
-
-
-QUEUED = _queued()
-SWITCH_SECONDS = 0.0005
-_switch = {"threads": 0, "saved": None}  # copier threads running; the interval they replaced
-_switch_lock = threading.Lock()
-
-
-def _short_switches(on: bool) -> None:
-    """Shorten the GIL switch interval while any copier thread runs; restore it after the last."""
-    with _switch_lock:
-        _switch["threads"] += 1 if on else -1
-        if on and _switch["threads"] == 1:
-            _switch["saved"] = sys.getswitchinterval()
-            sys.setswitchinterval(min(SWITCH_SECONDS, _switch["saved"]))
-        elif not on and _switch["threads"] == 0:
-            sys.setswitchinterval(_switch["saved"])
+MESSAGE = 1 << 20  # bytes of one message either way (a batch of jobs, an answer)
+BATCH = 240  # descriptors in one batch (the kernel takes at most 253 in a message)
+DRY_SECONDS = 0.05  # no job for this long: the queue ran dry (a graph's jobs come milliseconds apart)
+FORKS = hasattr(os, "fork") and sys.platform.startswith("linux")
 
 
 class Copier:
-    """One thread copying queued ranges, in the order queued (started on the first `put`)."""
+    """One child copying queued ranges, in the order queued (forked on the first `put`)."""
 
     def __init__(self):
-        self._jobs: collections.deque = collections.deque()
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self._sock: socket.socket | None = None
+        self._pid: int | None = None
+        self._files: set[int] = set()  # destinations the child has a descriptor of
+        self._pending: list[tuple[int, int]] = []  # (dst, at) of the jobs queued since the child last said all were done
+        self._batch: list[dict] = []  # jobs not sent yet, and the descriptors they name (duplicates)
+        self._fds: list[int] = []
+        self._pings = 0
         self._error: BaseException | None = None
-        self._running: tuple[int, int] | None = None  # (dst, at) of the copy under way
-        self._unsynced: set[int] = set()
-        self._stop = False
-        self._cancelled = False
+        self._ended = False
 
     def put(self, src: int, dst: int, offset: int, nbytes: int, at: int, what: str) -> None:
         """Queue `nbytes` of the open file `src` from `offset`, to land at `at` in `dst`; `what`
-        names the source in an error (`file: tensor 'name'`)."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._error is not None or len(self._jobs) < QUEUED)
-            self._raise()
-            self._jobs.append((os.dup(src), dst, offset, nbytes, at, what))
-            self._cond.notify()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="mtkc-weights", daemon=True)
-            _short_switches(True)
-            try:
-                self._thread.start()
-            except BaseException:
-                _short_switches(False)
-                raise
+        names the source in an error (`file: tensor 'name'`). Sent to the child in batches
+        (`flush`; a batch of `BATCH` is sent at once)."""
+        self._raise()
+        if not FORKS:
+            error = _copy(os.dup(src), dst, offset, nbytes, at, what)
+            if error is not None:
+                raise error
+            return
+        job = {"src": len(self._fds), "dst": dst, "offset": offset, "nbytes": nbytes, "at": at, "what": what}
+        self._fds.append(os.dup(src))  # the caller may close its own now
+        if dst not in self._files:
+            job["new"] = len(self._fds)
+            self._fds.append(os.dup(dst))
+            self._files.add(dst)
+        self._batch.append(job)
+        self._pending.append((dst, at))
+        if len(self._fds) >= BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send the jobs queued since the last batch to the child (the caller's graph is written:
+        its copies start now)."""
+        if not self._batch:
+            return
+        if self._pid is None:
+            self._start()
+        batch, fds, self._batch, self._fds = self._batch, self._fds, [], []
+        try:
+            self._send({"jobs": batch}, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def wait(self, dst: int, end: int) -> None:
         """Block until no queued or running copy lands in `dst` below `end`; the first error raised."""
-        def clear() -> bool:
-            return self._error is not None or not (
-                (self._running is not None and self._running[0] == dst and self._running[1] < end)
-                or any(job[1] == dst and job[4] < end for job in self._jobs))
-
-        with self._cond:
-            self._cond.wait_for(clear)
-            self._raise()
+        if any(d == dst and a < end for d, a in self._pending):
+            self.flush()
+            self._pings += 1
+            self._send({"ping": self._pings}, [])
+            while self._error is None and self._pending:
+                self._receive()
+        self._raise()
 
     def finish(self) -> None:
-        """Every queued copy written, the thread gone; the first error raised."""
-        self._end(drop=False)
+        """Every queued copy written and synced, the child gone; the first error raised."""
+        try:
+            self.flush()
+            if self._pid is not None and self._error is None:
+                self._send({"end": True}, [])
+                while self._error is None and not self._ended:
+                    self._receive()
+        finally:
+            self._stop()
         self._raise()
 
     def cancel(self) -> None:
-        """Drop what is queued, stop the copy under way after its current piece, end the thread
-        (errors dropped)."""
-        self._cancelled = True
-        self._end(drop=True)
+        """Drop what is queued and stop the copy under way: the child is killed (errors dropped)."""
+        for fd in self._fds:
+            os.close(fd)
+        self._batch, self._fds = [], []
+        self._stop()
 
-    def _end(self, drop: bool) -> None:
-        with self._cond:
-            if drop:
-                self._drop()
-            self._stop = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join()
+    def _start(self) -> None:
+        parent, (mine, theirs) = os.getpid(), socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            code = 1
+            try:
+                forked(parent)
+                mine.close()
+                _serve(theirs)
+                code = 0
+            finally:
+                os._exit(code)
+        theirs.close()
+        try:
+            os.setpgid(pid, pid)
+        except OSError:  # the child set it already, or is gone
+            pass
+        GROUPS.add(pid)
+        self._sock, self._pid = mine, pid
+
+    def _stop(self) -> None:
+        """Kill and reap the child (once: a reaped pid may be another process's)."""
+        if self._pid is not None:
+            pid, self._pid = self._pid, None
+            self._sock.close()
+            kill_group(pid)
+
+    def _send(self, message: dict, fds: list[int]) -> None:
+        """A message to the child (the socket's buffer bounds the queue: a full one waits for the
+        child); when the child has stopped (an error it answered), that error."""
+        try:
+            socket.send_fds(self._sock, [json.dumps(message).encode()], fds)
+        except OSError:  # the child ended: its answer says why
+            while self._error is None:
+                self._receive()
+            self._raise()
+
+    def _receive(self) -> None:
+        """One answer of the child: every job before a ping done, the end, or the error that stopped it."""
+        data = self._sock.recv(MESSAGE)
+        if not data:
+            self._error = RuntimeError("the weights copier ended before its jobs did")
+            return
+        answer = json.loads(data)
+        if answer.get("pong") == self._pings:
+            self._pending.clear()
+        elif "ended" in answer:
+            self._ended = True
+        elif "error" in answer:
+            self._error = _error_of(answer["error"])
 
     def _raise(self) -> None:
         if self._error is not None:
             raise self._error
 
-    def _drop(self) -> None:
-        while self._jobs:
-            os.close(self._jobs.popleft()[0])
 
-    def _run(self) -> None:
-        try:
-            self._loop()
-        except BaseException as exc:  # a bug here: the copies left are not made, so `finish` must raise
-            with self._cond:
-                self._error, self._stop = self._error or exc, True
-                self._drop()
-                self._cond.notify_all()
-        finally:
-            _short_switches(False)
+def _serve(sock: socket.socket) -> None:
+    """The child: copy each job as it comes; answer a ping once every job before it is done (the
+    child answers nothing else while the caller may not be reading: it never waits on its
+    answers); sync what was written whenever no job comes for `DRY_SECONDS`; at the end sync all
+    and say so. Stops at the first error, after answering it."""
+    files: dict[int, int] = {}  # the caller's dst -> this process's descriptor of it
+    unsynced: set[int] = set()
+    while True:
+        if unsynced and not select.select([sock], [], [], DRY_SECONDS)[0]:  # the queue ran dry: sync
+            error = _sync([files[d] for d in sorted(unsynced)])
+            unsynced.clear()
+            if error is not None:
+                return _answer(sock, {"error": _describe(error)})
+            continue
+        data, fds, _, _ = socket.recv_fds(sock, MESSAGE, BATCH)
+        if not data:  # the caller is gone
+            return None
+        job = json.loads(data)
+        if "ping" in job:
+            _answer(sock, {"pong": job["ping"]})
+            continue
+        if job.get("end"):
+            error = _sync([files[d] for d in sorted(unsynced)])
+            return _answer(sock, {"error": _describe(error)} if error is not None else {"ended": True})
+        for i, one in enumerate(job["jobs"]):
+            if "new" in one:
+                files[one["dst"]] = fds[one["new"]]
+            error = _copy(fds[one["src"]], files[one["dst"]], one["offset"], one["nbytes"], one["at"], one["what"])
+            if error is not None:
+                for later in job["jobs"][i + 1:]:
+                    os.close(fds[later["src"]])
+                return _answer(sock, {"error": _describe(error)})
+            unsynced.add(one["dst"])
 
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                if not self._unsynced or self._jobs or self._stop:
-                    self._cond.wait_for(lambda: self._jobs or self._stop)
-                    if not self._jobs:
-                        return
-                    job = self._jobs.popleft()
-                    self._running = job[1], job[4]
-                    self._unsynced.add(job[1])
-                    unsynced = ()
-                else:
-                    job, unsynced, self._unsynced = None, sorted(self._unsynced), set()
-            error = self._copy(*job) if job is not None else self._sync(unsynced)
-            with self._cond:
-                self._running = None
-                if error is not None:
-                    self._error, self._stop = error, True
-                    self._drop()
-                self._cond.notify_all()
 
-    @staticmethod
-    def _sync(files) -> BaseException | None:
-        """The queue ran dry: sync the files written (a full disk may only say so here: raised as
-        is, as the caller's own fsync would have been)."""
-        try:
-            for fd in files:
-                getattr(os, "fdatasync", os.fsync)(fd)  # macOS has no fdatasync
-        except OSError as exc:
-            return exc
-        return None
+def _answer(sock: socket.socket, answer: dict) -> None:
+    sock.send(json.dumps(answer).encode())
 
-    def _copy(self, src: int, dst: int, offset: int, nbytes: int, at: int, what: str) -> BaseException | None:
-        try:
-            for done in range(0, nbytes, PIECE):
-                if self._cancelled:
-                    break
-                copy_range(src, dst, offset + done, min(PIECE, nbytes - done), at + done)
-        except (ExternalDataError, OSError) as exc:
-            return copy_error(exc, what)
-        except BaseException as exc:  # a bug: raised in the caller's thread as it is
-            return exc
-        finally:
-            os.close(src)
-        return None
+
+def _copy(src: int, dst: int, offset: int, nbytes: int, at: int, what: str) -> BaseException | None:
+    """One job (`src` closed after it); the error that stopped it, or None."""
+    try:
+        copy_range(src, dst, offset, nbytes, at)
+    except (ExternalDataError, OSError) as exc:
+        return copy_error(exc, what)
+    finally:
+        os.close(src)
+    return None
+
+
+def _sync(files) -> OSError | None:
+    """The written files synced (a full disk may only say so here: kept as is, as the caller's own
+    fsync would have raised it)."""
+    try:
+        for fd in files:
+            getattr(os, "fdatasync", os.fsync)(fd)  # macOS has no fdatasync
+    except OSError as exc:
+        return exc
+    return None
+
+
+def _describe(error: BaseException) -> dict:
+    """An error of the child as JSON (`_error_of` makes it again in the caller)."""
+    if isinstance(error, InputError):
+        return {"input": str(error)}
+    return {"errno": error.errno, "strerror": error.strerror, "filename": error.filename}
+
+
+def _error_of(data: dict) -> BaseException:
+    if "input" in data:
+        return InputError(data["input"])
+    return OSError(data["errno"], data["strerror"], data["filename"]) if data["filename"] is not None \
+        else OSError(data["errno"], data["strerror"])
 
 
 def copy_error(exc: ExternalDataError | OSError, what: str) -> BaseException:

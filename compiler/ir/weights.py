@@ -115,6 +115,7 @@ class WeightWriter:
         finally:
             for const, values in swapped:
                 const._values = values
+        self._copier.flush()  # this graph's copies start while the caller goes on
         if opset is not None:
             for entry in proto.opset_import:
                 if entry.domain in ("", "ai.onnx"):
@@ -165,6 +166,7 @@ class WeightWriter:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         self._streams.append((Path(path), fd))
         self._copier.put(src, fd, offset, nbytes, pwrite_all(fd, head, 0), what)
+        self._copier.flush()
 
     # ------------------------------------------------------------------ one constant
 
