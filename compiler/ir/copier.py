@@ -128,24 +128,7 @@ class Copier:
         self._stop()
 
     def _start(self) -> None:
-        parent, (mine, theirs) = os.getpid(), socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        pid = os.fork()
-        if pid == 0:  # the child: never returns
-            code = 1
-            try:
-                forked(parent)
-                mine.close()
-                _serve(theirs)
-                code = 0
-            finally:
-                os._exit(code)
-        theirs.close()
-        try:
-            os.setpgid(pid, pid)
-        except OSError:  # the child set it already, or is gone
-            pass
-        GROUPS.add(pid)
-        self._sock, self._pid = mine, pid
+        self._sock, self._pid = _spare.pop() if _spare else _fork()
 
     def _stop(self) -> None:
         """Kill and reap the child (once: a reaped pid may be another process's)."""
@@ -181,6 +164,47 @@ class Copier:
     def _raise(self) -> None:
         if self._error is not None:
             raise self._error
+
+
+_spare: list[tuple[socket.socket, int]] = []  # a child forked ahead (`prestart`), for the next Copier
+
+
+def prestart() -> None:
+    """Fork the next Copier's child now, while this process holds no graph: a fork's resident pages
+    count in its RSS, and those it touches become its own (forked after a 1.5B load: +103 MB of
+    summed RSS, +41 MB of PSS). `discard` ends it if no Copier takes it."""
+    if FORKS and not _spare:
+        _spare.append(_fork())
+
+
+def discard() -> None:
+    """Kill and reap a child `prestart` made that no Copier took."""
+    while _spare:
+        sock, pid = _spare.pop()
+        sock.close()
+        kill_group(pid)
+
+
+def _fork() -> tuple[socket.socket, int]:
+    """A copier child serving the other end of a new socket pair; (this end, its pid)."""
+    parent, (mine, theirs) = os.getpid(), socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 1
+        try:
+            forked(parent)
+            mine.close()
+            _serve(theirs)
+            code = 0
+        finally:
+            os._exit(code)
+    theirs.close()
+    try:
+        os.setpgid(pid, pid)
+    except OSError:  # the child set it already, or is gone
+        pass
+    GROUPS.add(pid)
+    return mine, pid
 
 
 def _serve(sock: socket.socket) -> None:

@@ -31,6 +31,7 @@ from mtkc.backend.deliver import finish
 from mtkc.backend.staging import Stage, check_target, disk_errors
 from mtkc.display import Progress
 from mtkc.errors import InputError
+from mtkc.ir import copier
 from mtkc.ir.graph_utils import tensor_map
 from mtkc.ir.model import Model, external_info, load
 from mtkc.ir.weights import WeightWriter
@@ -70,15 +71,19 @@ def compile_model(model_path: str | os.PathLike, sdk: str, out_dir: str | os.Pat
     """Compile `model_path` for `sdk` into `out_dir` (see the module docstring)."""
     options = of(options).replace(sdk=normalize_sdk(sdk))
     out = Path(out_dir)
-    model = load(model_path)
-    _check_out(out, model, options.overwrite)
-    if table is None:
-        table = load_table(sdk, options.arch)
-    output = _Output(out, options.overwrite, model.root)
+    copier.prestart()  # the weights' copier, forked while this process is small
     try:
-        return _compile(model, options, table, output)
+        model = load(model_path)
+        _check_out(out, model, options.overwrite)
+        if table is None:
+            table = load_table(sdk, options.arch)
+        output = _Output(out, options.overwrite, model.root)
+        try:
+            return _compile(model, options, table, output)
+        finally:
+            output.discard()  # after a publish: the previous OUT; else the unpublished staging
     finally:
-        output.discard()  # after a publish: the previous OUT; else the unpublished staging
+        copier.discard()
 
 
 def _compile(model: Model, options: Options, table, output: _Output) -> CompileResult:
