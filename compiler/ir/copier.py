@@ -9,7 +9,8 @@ of their own.
     copier.finish()                           # all written and synced; the first error raised
 
 The copies are I/O (`copy_file_range` in the kernel), so they overlap the caller's CPU work. They
-run in a fork of the caller (Linux), started on the first `put`, not on a thread: a thread needs
+run in a fork of the caller (Linux), made on the first `flush` or ahead by `prestart` (compile
+forks it before the load, so that it holds no graph), not on a thread: a thread needs
 the GIL back after every copy, and the caller holds it through whole C calls (ONNX's shape
 inference: measured, 2.5 GB beside a loop of them took 8.7-9.3 s on a thread against 0.8 s alone).
 Jobs reach the child on a socket with their descriptors (SCM_RIGHTS), in batches: a graph's
