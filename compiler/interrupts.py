@@ -41,7 +41,7 @@ STAGES: set[Path] = set()  # staging folders being written (`mtkc.backend.stagin
 _PR_SET_PDEATHSIG = 1
 _PRCTL = getattr(ctypes.CDLL(None), "prctl", None) if sys.platform.startswith("linux") else None
 GROUPS: set[int] = set()  # child process groups running now (`mtkc.backend.handoff`)
-WATCHDOG_THREAD = "mtkc-watchdog"  # the one thread `forked` may leave behind (it only waits in select)
+WATCHDOG_THREAD = "mtkc-watchdog"  # the one thread a `fork` may leave behind (it only waits in select)
 
 
 class Expired(Exception):
@@ -209,11 +209,31 @@ def _die_with(parent: int) -> None:
             os._exit(137)
 
 
-def forked(parent: int) -> None:
+def fork(child: Callable[[], None]) -> int:
+    """Fork a child that mtkc's exits end and run `child()` in it; the child's pid (its process
+    group, registered in GROUPS). The child exits 0 after `child()`, 1 when it raised: it never
+    returns into the caller's code, and runs no atexit handler or buffer flush of the parent's."""
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            _forked(parent)
+            child()
+            code = 0
+        finally:
+            os._exit(code)
+    with contextlib.suppress(OSError):  # the child may have set it already, or be gone
+        os.setpgid(pid, pid)
+    GROUPS.add(pid)
+    return pid
+
+
+def _forked(parent: int) -> None:
     """Make this process, just forked from mtkc (`parent`), a child that mtkc's exits end: its own
-    process group (the parent sets it too, `os.setpgid(pid, pid)`: killable at once), SIGKILL when
-    the parent dies (Linux), the default signal handlers, and none of the parent's watchdog (the
-    fork has no thread running it), child groups or staging folders."""
+    process group (the parent sets it too: killable at once), SIGKILL when the parent dies
+    (Linux), the default signal handlers, and none of the parent's watchdog (the fork has no
+    thread running it), child groups or staging folders."""
     global _WATCHDOG
     os.setpgid(0, 0)
     _die_with(parent)

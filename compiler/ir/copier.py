@@ -39,7 +39,7 @@ import socket
 import sys
 
 from mtkc.errors import FULL_DISK, InputError
-from mtkc.interrupts import GROUPS, forked, kill_group
+from mtkc.interrupts import fork, kill_group
 from mtkc.ir.model_checks import ExternalDataError
 
 CHUNK = 16 << 20  # bytes per read when the kernel cannot copy
@@ -188,24 +188,19 @@ def discard() -> None:
 
 def _fork() -> tuple[socket.socket, int]:
     """A copier child serving the other end of a new socket pair; (this end, its pid)."""
-    parent, (mine, theirs) = os.getpid(), socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    pid = os.fork()
-    if pid == 0:  # the child: never returns
-        code = 1
-        try:
-            forked(parent)
-            mine.close()
-            _serve(theirs)
-            code = 0
-        finally:
-            os._exit(code)
-    theirs.close()
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+
+    def child() -> None:
+        mine.close()
+        _serve(theirs)
+
     try:
-        os.setpgid(pid, pid)
-    except OSError:  # the child set it already, or is gone
-        pass
-    GROUPS.add(pid)
-    return mine, pid
+        return mine, fork(child)
+    except OSError:
+        mine.close()
+        raise
+    finally:
+        theirs.close()
 
 
 def _serve(sock: socket.socket) -> None:

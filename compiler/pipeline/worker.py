@@ -8,7 +8,7 @@ the first graph.
 A child is forked right after the load (Linux): it starts from the graph as loaded, shared
 copy-on-write, so nothing is read, parsed or copied again, and it runs the very functions the
 parent would (`mtkc.pipeline.build`). It is in its own process group, killed with mtkc
-(`mtkc.interrupts.forked`), with stdin, stdout and stderr on /dev/null. Its answer leaves as JSON
+(`mtkc.interrupts.fork`), with stdin, stdout and stderr on /dev/null. Its answer leaves as JSON
 on a pipe: the result, the log records it made, or the error that stopped it. The parent replays
 the records in order and raises the error, as if it had done the work itself.
 
@@ -24,7 +24,6 @@ twice).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -33,7 +32,7 @@ import threading
 from typing import Any, Callable
 
 from mtkc import errors
-from mtkc.interrupts import GROUPS, WATCHDOG_THREAD, forked, kill_group
+from mtkc.interrupts import WATCHDOG_THREAD, fork, kill_group
 from mtkc.ir.model import Model
 from mtkc.options import Options
 from mtkc.passes.qdq import quantization_state
@@ -71,22 +70,20 @@ class Worker:
     """One forked child computing `job()`, a JSON-able result; `answer` waits for it."""
 
     def __init__(self, job: Callable[[], Any]):
-        parent = os.getpid()
         read, write = os.pipe()
+
+        def child() -> None:
+            os.close(read)
+            _child(job, write)
+
         try:
-            pid = os.fork()
+            self.pid = fork(child)
         except OSError:
             os.close(read)
-            os.close(write)
             raise
-        if pid == 0:  # the child: never returns
-            os.close(read)
-            _child(parent, job, write)
-        os.close(write)
-        with contextlib.suppress(OSError):  # the child may have set it already, or be gone
-            os.setpgid(pid, pid)
-        GROUPS.add(pid)
-        self.pid, self.pipe, self.closed = pid, read, False
+        finally:
+            os.close(write)
+        self.pipe, self.closed = read, False
         self.taken: tuple[Any, Exception | None] | None = None  # (result, error), once read
 
     @classmethod
@@ -201,25 +198,19 @@ class _Records(logging.Handler):
                              "msg": record.getMessage(), "args": None})
 
 
-def _child(parent: int, job: Callable[[], Any], pipe: int) -> None:
-    """Run `job` in the fork and write its answer to `pipe`; exit 0, or 1 on anything unexpected
-    (the parent then does the work itself)."""
-    code = 1
+def _child(job: Callable[[], Any], pipe: int) -> None:
+    """Run `job` in the fork (stdio on /dev/null, log records kept) and write its answer to `pipe`;
+    anything unexpected ends the child without one (the parent then does the work itself)."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    records = _Records()
+    log.handlers[:], log.propagate = [records], False
     try:
-        forked(parent)
-        null = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):
-            os.dup2(null, fd)
-        records = _Records()
-        log.handlers[:], log.propagate = [records], False
-        try:
-            result, error = job(), None
-        except tuple(ERRORS.values()) as exc:
-            result, error = None, {"type": type(exc).__name__, "message": str(exc)}
-        _reply(pipe, {"result": result, "error": error, "logs": records.records})
-        code = 0
-    finally:
-        os._exit(code)  # nothing of the parent's runs here: no atexit, no buffers flushed twice
+        result, error = job(), None
+    except tuple(ERRORS.values()) as exc:
+        result, error = None, {"type": type(exc).__name__, "message": str(exc)}
+    _reply(pipe, {"result": result, "error": error, "logs": records.records})
 
 
 def _reply(pipe: int, answer: dict) -> None:
