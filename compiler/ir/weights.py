@@ -12,7 +12,7 @@ inline (a small external constant of the source model is read and inlined).
 
 Dedup: a lazy constant still backed by the source model's data (external, or inline left in the
 .onnx by `mtkc.ir.wire`) is identified first by its source (file identity, offset, length) and
-copied in-kernel, on a thread of its own (`mtkc.ir.copier`: the caller's next graph is built
+copied in-kernel, in a process of its own (`mtkc.ir.copier`: the caller's next graph is built
 meanwhile; each copy lands at the offset assigned when it was queued); an inline source constant
 first by its TensorProto (the same object in every graph imported from one parsed file,
 `mtkc.ir.model.Model.fresh`). Then every constant (folded and rewritten ones too) by its bytes:

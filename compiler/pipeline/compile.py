@@ -5,9 +5,9 @@ the manifest.
                    partitions, host tables through one WeightWriter)
          ─► weights closed ─► manifest ─► hand-off
 
-Each graph is written as soon as it is built, so its weights copy (I/O, on the WeightWriter's
-thread) while the next graph builds; when OUT's parent folder does not exist yet, only once every
-graph is built, so a failing build creates no folder. Every file (graphs, weights, manifest,
+Each graph is written as soon as it is built, so its weights copy (I/O, in the WeightWriter's
+copier process) while the next graph builds; when OUT's parent folder does not exist yet, only once
+every graph is built, so a failing build creates no folder. Every file (graphs, weights, manifest,
 reports, convert.sh, converter logs) is written into a sibling staging folder swapped into place at
 the end (`mtkc.backend.staging`): OUT is complete or the previous OUT is intact; an existing OUT is
 only replaced with `overwrite`. Without an OUT, `default_output` names a new folder in the current
