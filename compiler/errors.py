@@ -39,3 +39,7 @@ class ConverterError(MtkcError):
     """MediaTek's converter (or the user's converter command) failed."""
 
     exit_code = 3
+
+
+class ExternalDataError(Exception):
+    """Why one external-data location is refused (the caller adds file and tensor)."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -15,10 +17,10 @@ import onnx
 import onnx_graphsurgeon as gs
 import pytest
 
-from mtkc.errors import InputError
+from mtkc.cli import main
+from mtkc.errors import ExternalDataError, InputError
 from mtkc.interrupts import GROUPS
 from mtkc.ir import copier, weights
-from mtkc.ir.model_checks import ExternalDataError
 from mtkc.pipeline import build as B
 from mtkc.pipeline.compile import compile_model
 
@@ -231,7 +233,7 @@ def test_a_cancel_stops_a_large_copy_at_once(tmp_path, monkeypatch):
 
 
 def test_an_external_data_export_compiles_to_the_bytes_of_its_inline_twin(kv_model, tmp_path):
-    # the twin's weights are copied file-to-file on the copier's thread; the inline export's are
+    # the twin's weights are copied file-to-file by the copier; the inline export's are
     # written from memory in the caller's (no copier): the same bytes make the two paths check each other
     twin = tmp_path / "twin" / "model.onnx"
     twin.parent.mkdir()
@@ -263,3 +265,40 @@ def test_a_full_disk_during_a_copy_names_the_output_folder(kv_model, tmp_path, m
     with pytest.raises(InputError, match=r"here/out: cannot write the output folder: No space left on device"):
         compile_model(twin, "8.0", out, {"seq_len": 8, "cache_len": 16, "no_convert": True})
     assert _listing(out.parent) == []
+
+
+_SPY = """
+import sys
+from mtkc.ir import copier
+fork = copier._fork
+def spy():
+    print("copier forked with onnx imported" if "onnx" in sys.modules else "copier forked before onnx", file=sys.stderr)
+    return fork()
+copier._fork = spy
+from mtkc.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_cli_forks_compile_s_copier_before_the_command_s_imports(kv_model, tmp_path):
+    """The child holds the CLI's few modules, not onnx, numpy and the pipeline (its resident pages
+    count again in a summed RSS); compile takes it, and forks no other."""
+    twin = tmp_path / "twin" / "model.onnx"
+    twin.parent.mkdir()
+    onnx.save(onnx.load(kv_model), twin, save_as_external_data=True, size_threshold=1024)
+    run = subprocess.run([sys.executable, "-c", _SPY, "compile", str(twin), "--sdk", "8.0", "--seq-len", "8",
+                          "--cache-len", "16", "-o", str(tmp_path / "out"), "--no-convert"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert [line for line in run.stderr.splitlines() if line.startswith("copier")] == ["copier forked before onnx"]
+    assert (tmp_path / "out" / "weights.bin").stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv", [["compile", "--help"], ["compile", "missing.onnx", "--sdk", "8.0"]])
+def test_a_compile_that_takes_no_copier_leaves_none(argv, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # --help
+        code = exc.code
+    assert code in (0, 2) and copier._spare == [] and not GROUPS

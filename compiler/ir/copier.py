@@ -38,9 +38,8 @@ import select
 import socket
 import sys
 
-from mtkc.errors import FULL_DISK, InputError
+from mtkc.errors import FULL_DISK, ExternalDataError, InputError
 from mtkc.interrupts import fork, kill_group
-from mtkc.ir.model_checks import ExternalDataError
 
 CHUNK = 16 << 20  # bytes per read when the kernel cannot copy
 KERNEL_CHUNK = 1 << 30  # bytes per copy_file_range call

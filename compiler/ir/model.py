@@ -20,14 +20,13 @@ import onnx.numpy_helper
 import onnx_graphsurgeon as gs
 
 from mtkc.display import escape
-from mtkc.errors import InputError
+from mtkc.errors import ExternalDataError, InputError
 from mtkc.ir import wire
 from mtkc.ir.clone import clone, copy_message
 from mtkc.ir.counts import count
 from mtkc.ir.graph_utils import tensor_map
 from mtkc.ir.importer import import_model
 from mtkc.ir.model_checks import (
-    ExternalDataError,
     allowed_trees,
     external_fields,
     external_size,

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import onnx
 
-from mtkc.errors import InputError
+from mtkc.errors import ExternalDataError, InputError
 from mtkc.ir.toposort import cycle_node, kahn_order
 
 log = logging.getLogger("mtkc")
@@ -226,10 +226,6 @@ def _copy_fields(src, dst, skip: set[str]) -> None:
 
 
 # ---------------------------------------------------------------------------- external data
-
-
-class ExternalDataError(Exception):
-    """Why one external-data location is refused (the caller adds file and tensor)."""
 
 
 def resolve_location(root: Path, location: str) -> tuple[str, os.stat_result]:

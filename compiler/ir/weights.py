@@ -41,13 +41,12 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.exporters.onnx_exporter import dtype_to_onnx
 
-from mtkc.errors import InputError
+from mtkc.errors import ExternalDataError, InputError
 from mtkc.ir.copier import CHUNK, Copier, copy_error, pwrite_all
 from mtkc.ir.model import constants, external_info
 from mtkc.ir.opset import axes_to_attributes
 from mtkc.ir.model_checks import (
     SUB_BYTE_BITS,
-    ExternalDataError,
     external_fields,
     external_size,
     open_external,

@@ -33,10 +33,10 @@ import onnxruntime as ort
 
 from mtkc.contract import cache as layouts
 from mtkc.contract import io, mask, positions
-from mtkc.errors import InputError
+from mtkc.errors import ExternalDataError, InputError
 from mtkc.ir.copier import copy_error
 from mtkc.ir.model import ExternalValues, external_info
-from mtkc.ir.model_checks import ExternalDataError, external_fields, external_size, open_external
+from mtkc.ir.model_checks import external_fields, external_size, open_external
 from mtkc.ir.outdir import check_graph_file, confined, load_table, read_manifest
 from mtkc.ir.weights import WeightWriter
 from mtkc.options import Layer, build
