@@ -42,6 +42,7 @@ _PR_SET_PDEATHSIG = 1
 _PRCTL = getattr(ctypes.CDLL(None), "prctl", None) if sys.platform.startswith("linux") else None
 GROUPS: set[int] = set()  # child process groups running now (`mtkc.backend.handoff`)
 WATCHDOG_THREAD = "mtkc-watchdog"  # the one thread a `fork` may leave behind (it only waits in select)
+FORKS = hasattr(os, "fork") and sys.platform.startswith("linux")  # where mtkc forks workers (`fork`)
 
 
 class Expired(Exception):

@@ -1,7 +1,8 @@
 """The weights file's copies run in a process of their own (`mtkc.ir.copier`) while compile builds
 the next graph: the file is the same whatever the timing, a failed copy is the error a synchronous
 one was, and a compile that fails after its first graph was written leaves nothing behind. (The
-child is forked on the first copy, so a test's monkeypatching reaches it.)"""
+child is forked inside the test, by compile or on the first flush, so the test's monkeypatching
+reaches it.)"""
 
 from __future__ import annotations
 

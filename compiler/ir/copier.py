@@ -9,25 +9,26 @@ of their own.
     copier.finish()                           # all written and synced; the first error raised
 
 The copies are I/O (`copy_file_range` in the kernel), so they overlap the caller's CPU work. They
-run in a fork of the caller (Linux), made on the first `flush` or ahead by `prestart` (compile
-forks it before the load, so that it holds no graph), not on a thread: a thread needs
-the GIL back after every copy, and the caller holds it through whole C calls (ONNX's shape
-inference: measured, 2.5 GB beside a loop of them took 8.7-9.3 s on a thread against 0.8 s alone).
-Jobs reach the child on a socket with their descriptors (SCM_RIGHTS), in batches: a graph's
+run in a fork of the caller (Linux), made on the first `flush` or ahead by `prestart` (the CLI forks
+it before compile's imports, `compile_model` before the load: it holds no graph), not on a thread: a
+thread needs the GIL back after every copy, and the caller holds it through whole C calls (ONNX's
+shape inference: measured, 2.5 GB beside a loop of them took 8.7-9.3 s on a thread against 0.8 s
+alone). Jobs reach the child on a socket with their descriptors (SCM_RIGHTS), in batches: a graph's
 copies are sent when it is written (`flush`), so the socket's small buffer never makes the caller
-wait for the child (one message per job did: 2.8 s to write a 48-layer prefill, against 0.16 s). The child answers only when asked (`wait`,
-`finish`: a ping, answered once every job before it is done) or with the error that stopped it, so
-it never waits for a caller that is busy building (answers to every job did: at 48 layers the child
-stalled after 279 of 483 copies until the caller next read). Each copy lands at the offset the
-caller assigned (`pwrite` semantics), so a file is the same whatever the timing. When its queue
-runs dry (`DRY_SECONDS` without a job: the caller builds its next graph) the child syncs the files
-it wrote, so the caller's final fsync is short (not after each job: a child faster than the
-caller's queueing would sync after nearly every one). A copy that fails (the source truncated or unreadable, the disk full) stops the rest; `put` / `wait` /
-`finish` raise it (`copy_error`): a read error as an InputError naming the source file and tensor,
-a full or read-only disk and a failed sync as the OSError they were, for the caller to name its
-output folder (`mtkc.backend.staging.disk_errors`). `cancel` kills the child at once. The child
-runs nothing but these system calls, so unlike check's workers it is forked beside a host's
-threads too. Without a fork (not Linux) `put` copies before it returns.
+wait for the child (one message per job did: 2.8 s to write a 48-layer prefill, against 0.16 s). The
+child answers only when asked (`wait`, `finish`: a ping, answered once every job before it is done)
+or with the error that stopped it, so it never waits for a caller that is busy building (answers to
+every job did: at 48 layers the child stalled after 279 of 483 copies until the caller next read).
+Each copy lands at the offset the caller assigned (`pwrite` semantics), so a file is the same
+whatever the timing. When its queue runs dry (`DRY_SECONDS` without a job: the caller builds its
+next graph) the child syncs the files it wrote, so the caller's final fsync is short (not after each
+job: a child faster than the caller's queueing would sync after nearly every one). A copy that fails
+(the source truncated or unreadable, the disk full) stops the rest; `put` / `wait` / `finish` raise
+it (`copy_error`): a read error as an InputError naming the source file and tensor, a full or
+read-only disk and a failed sync as the OSError they were, for the caller to name its output folder
+(`mtkc.backend.staging.disk_errors`). `cancel` kills the child at once. The child runs nothing but
+these system calls, so unlike check's workers it is forked beside a host's threads too. Without a
+fork (not Linux) `put` copies before it returns.
 """
 
 from __future__ import annotations
@@ -36,21 +37,19 @@ import json
 import os
 import select
 import socket
-import sys
 
 from mtkc.errors import FULL_DISK, ExternalDataError, InputError
-from mtkc.interrupts import fork, kill_group
+from mtkc.interrupts import FORKS, fork, kill_group
 
 CHUNK = 16 << 20  # bytes per read when the kernel cannot copy
 KERNEL_CHUNK = 1 << 30  # bytes per copy_file_range call
 MESSAGE = 1 << 20  # bytes of one message either way (a batch of jobs, an answer)
 BATCH = 240  # descriptors in one batch (the kernel takes at most 253 in a message)
 DRY_SECONDS = 0.05  # no job for this long: the queue ran dry (a graph's jobs come milliseconds apart)
-FORKS = hasattr(os, "fork") and sys.platform.startswith("linux")
 
 
 class Copier:
-    """One child copying queued ranges, in the order queued (forked on the first `put`)."""
+    """One child copying queued ranges, in the order queued (`prestart`'s, or forked on the first `flush`)."""
 
     def __init__(self):
         self._sock: socket.socket | None = None

@@ -27,12 +27,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import threading
 from typing import Any, Callable
 
 from mtkc import errors
-from mtkc.interrupts import WATCHDOG_THREAD, fork, kill_group
+from mtkc.interrupts import FORKS, WATCHDOG_THREAD, fork, kill_group
 from mtkc.ir.model import Model
 from mtkc.options import Options
 from mtkc.passes.qdq import quantization_state
@@ -44,7 +43,6 @@ log = logging.getLogger("mtkc")
 
 MIN_NODES = 5_000  # measured with a fresh interpreter per child: 618 nodes +0.5 s, 6184 nodes (0.5B) -0.9 s
 ERRORS = {c.__name__: c for c in (errors.InputError, errors.PassError, errors.InternalError)}
-FORKS = hasattr(os, "fork") and sys.platform.startswith("linux")
 
 
 def cpus() -> int:
