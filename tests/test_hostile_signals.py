@@ -111,12 +111,22 @@ def _children_of(parent: int) -> set[int]:
     return found
 
 
+def _set_up(pid: int) -> bool:
+    """Whether the fork `pid` has become a worker: its stderr is /dev/null (`worker._child`), so its
+    PDEATHSIG is set (`interrupts.fork` sets it first). A fork stopped before that would outlive a
+    SIGKILLed check because the test stopped it, not because mtkc leaked it."""
+    try:
+        return os.readlink(f"/proc/{pid}/fd/2") == os.devnull
+    except OSError:
+        return False
+
+
 def _stop_workers(parent: int, timeout: float = 60) -> set[int]:
     """SIGSTOP each child `parent` forks (check's workers, `mtkc.pipeline.worker`) as soon as it is
-    seen, over 0.3 s from the first: check then waits for an answer that cannot come."""
+    set up, over 0.3 s from the first: check then waits for an answer that cannot come."""
     end, stopped, first = time.monotonic() + timeout, set(), None
     while time.monotonic() < end and (first is None or time.monotonic() < first + 0.3):
-        for pid in _children_of(parent) - stopped:
+        for pid in {pid for pid in _children_of(parent) - stopped if _set_up(pid)}:
             os.kill(pid, signal.SIGSTOP)
             stopped.add(pid)
             first = first or time.monotonic()
